@@ -1,0 +1,1 @@
+"""wiretrace stage package."""
