@@ -1,0 +1,259 @@
+"""When each message starts and ends: step dependencies, compute readiness, link serialization.
+
+Rules (vectorized over whole columns; no per-message Python loop):
+
+1. A message never starts before its collective's ``t_ready_ns`` (compute model or measured trace).
+2. Step dependencies, as NCCL's primitives pipeline slices: a data message of step ``k`` and slice
+   ``c`` leaves rank ``r`` after the data that ``r`` receives in the same call and channel at the
+   latest step ``k' < k`` in which it receives anything — the same slice ``c`` of that step when
+   ``r`` received one, else the whole step. A data message also waits for its clear-to-send (the
+   ``kind == "cts"`` message of the same call, channel, step and slice from its receiver).
+3. Serialization: a sender's messages of one call and channel go one after another, in (step,
+   slice) order, on its link: the NIC (network messages, ``cluster.nic_rate``) or the GPU's NVLink
+   port (``cluster.nvlink_rate``).
+4. Messages of different calls share a link first come, first served: a pass over each link in
+   start order pushes overlapping messages back; the delay is propagated to dependent messages by
+   re-running rules 1-3 with those start times as lower bounds, until nothing moves (at most
+   ``max_passes`` passes).
+5. ``t_end_ns`` = start + serialization time + one hop latency (``cluster.latency`` or
+   ``nvlink_latency``). Serialization time on the network counts every frame's overhead:
+   Ethernet (14, +4 with a VLAN tag), IPv4 20 or IPv6 40, UDP 8, BTH 12, ICRC 4, FCS 4, preamble
+   and SFD 8, inter-frame gap 12 bytes (IEEE 802.3 clause 4.4.2), plus RETH (16) on the first
+   packet and ImmDt (4) on the last; segmentation at the path MTU (IBTA vol. 1, 9.7.7).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from .plan import Plan
+from .topology import Topology
+
+ETH_PREAMBLE_SFD = 8
+ETH_IFG = 12
+ETH_FCS = 4
+ETH_HEADER = 14
+VLAN_TAG = 4
+UDP_HEADER = 8
+BTH_BYTES = 12
+RETH_BYTES = 16
+IMMDT_BYTES = 4
+ICRC_BYTES = 4
+
+
+def frame_overhead_bytes(plan: Plan) -> int:
+    """Bytes one RoCEv2 packet occupies on the Ethernet wire beyond its IB payload and pad.
+
+    Preamble+SFD, Ethernet header (+802.1Q tag), IP, UDP, BTH, ICRC, FCS and inter-frame gap.
+    """
+    t = plan.transport
+    ip = 20 if t.ip_version == 4 else 40
+    vlan = VLAN_TAG if t.vlan is not None else 0
+    return (ETH_PREAMBLE_SFD + ETH_HEADER + vlan + ip + UDP_HEADER + BTH_BYTES + ICRC_BYTES
+            + ETH_FCS + ETH_IFG)
+
+
+def network_wire_bytes(wire_bytes: np.ndarray, plan: Plan) -> np.ndarray:
+    """Bytes on the Ethernet wire for messages of ``wire_bytes`` payload each (int64 array).
+
+    Packets = ceil(bytes / path MTU) (at least 1); each carries the frame overhead, its payload
+    rounded up to 4 bytes; the first a RETH and the last an ImmDt.
+    """
+    mtu = plan.transport.path_mtu
+    b = np.asarray(wire_bytes, dtype=np.int64)
+    npkt = np.maximum(1, -(-b // mtu))
+    last = b - (npkt - 1) * mtu
+    padded = (npkt - 1) * mtu + ((last + 3) & ~3)
+    return padded + npkt * frame_overhead_bytes(plan) + RETH_BYTES + IMMDT_BYTES
+
+
+def _group_ids(*keys: np.ndarray) -> np.ndarray:
+    """Dense int64 id of each row's key tuple (rows with equal keys share an id)."""
+    stacked = np.stack([np.asarray(k, dtype=np.int64) for k in keys], axis=1)
+    _, inv = np.unique(stacked, axis=0, return_inverse=True)
+    return inv.reshape(-1).astype(np.int64)
+
+
+def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
+             max_passes: int = 6) -> dict:
+    """Fill ``t_start_ns`` and ``t_end_ns`` of a messages table (columns dict), in place.
+
+    Parameters
+    ----------
+    messages : columns of the messages table (schemas/messages.schema.json) for whole calls
+        (every message of a call and channel must be present). ``link`` and ``kind`` are arrays of
+        str.
+    coll : the collectives table the messages belong to (``op_id``, ``t_ready_ns`` used).
+    topo, plan : cluster rates and latencies, transport framing.
+    max_passes : passes of rule 4 (cross-call link sharing) before giving up on propagation.
+
+    Returns
+    -------
+    The same dict, with int64 ``t_start_ns`` / ``t_end_ns`` (ns from iteration start).
+    """
+    n = len(messages["msg_id"])
+    if n == 0:
+        messages["t_start_ns"] = np.zeros(0, np.int64)
+        messages["t_end_ns"] = np.zeros(0, np.int64)
+        return messages
+    op = np.asarray(messages["op_id"], dtype=np.int64)
+    step = np.asarray(messages["step"], dtype=np.int64)
+    chunk = np.asarray(messages["chunk"], dtype=np.int64)
+    ch = np.asarray(messages["channel"], dtype=np.int64)
+    src = np.asarray(messages["src_rank"], dtype=np.int64)
+    dst = np.asarray(messages["dst_rank"], dtype=np.int64)
+    is_net = np.asarray(messages["link"]) == "network"
+    is_cts = np.asarray(messages["kind"]) == "cts"
+    wire = np.asarray(messages["wire_bytes"], dtype=np.int64)
+
+    # ---- readiness of each call
+    op_ids = np.asarray(coll.column("op_id").to_numpy(), dtype=np.int64)
+    t_ready_op = np.asarray(coll.column("t_ready_ns").to_numpy(), dtype=np.int64)
+    order = np.argsort(op_ids)
+    pos = np.searchsorted(op_ids[order], op)
+    t_ready = t_ready_op[order][np.minimum(pos, len(order) - 1)]
+
+    # ---- durations
+    bits = np.where(is_net, network_wire_bytes(wire, plan), wire) * 8
+    rate = np.where(is_net, topo.nic_rate_bps, topo.nvlink_rate_bps)
+    dur = np.ceil(bits / rate * 1e9).astype(np.int64)
+    lat = np.where(is_net, topo.latency_ns, topo.nvlink_latency_ns).astype(np.int64)
+    tx_link = np.where(is_net, np.asarray(messages["src_nic"], dtype=np.int64),
+                       topo.num_nics + src)
+
+    # ---- rounds: (step, chunk, cts before data); everything a message depends on is in an
+    # earlier round.
+    rnd = _group_ids(step, chunk, (~is_cts).astype(np.int64))
+
+    # ---- receipt dependency: the sender's receipts at its latest receive step < step
+    data = ~is_cts
+    flow = _group_ids(op, ch)                                  # call+channel id
+    stride = np.int64(max(int(step.max()) + 2, 2))
+    rk = np.int64(max(int(max(src.max(), dst.max())) + 1, 1))
+    # receipts sorted by (flow, rank, step, chunk)
+    r_idx = np.nonzero(data)[0]
+    r_key = (flow[r_idx] * rk + dst[r_idx]) * stride + step[r_idx]
+    r_order = np.lexsort((chunk[r_idx], r_key))
+    r_idx = r_idx[r_order]
+    r_key = r_key[r_order]
+    r_chunk = chunk[r_idx]
+    m_key = (flow * rk + src) * stride + step
+    # latest receive step < step: the position just before the first key >= m_key
+    p = np.searchsorted(r_key, m_key, side="left") - 1
+    has_pred = p >= 0
+    has_pred[has_pred] = (r_key[p[has_pred]] // stride) == (flow[has_pred] * rk + src[has_pred])
+    pred_key = np.where(has_pred, r_key[np.maximum(p, 0)], -1)
+    lo = np.searchsorted(r_key, pred_key, side="left")
+    hi = np.searchsorted(r_key, pred_key, side="right")
+    # narrow to the same slice when the sender received that slice at that step
+    ck = r_key * np.int64(chunk.max() + 2) + r_chunk
+    want = pred_key * np.int64(chunk.max() + 2) + chunk
+    clo = np.searchsorted(ck, want, side="left")
+    chi = np.searchsorted(ck, want, side="right")
+    same = has_pred & (chi > clo)
+    lo = np.where(same, clo, lo)
+    hi = np.where(same, chi, hi)
+    has_pred &= hi > lo
+
+    # ---- cts dependency: the cts of (call, channel, step, slice) from the data's receiver
+    cts_of = np.full(n, -1, dtype=np.int64)
+    if is_cts.any():
+        c_idx = np.nonzero(is_cts)[0]
+        key_c = _group_ids(np.concatenate([op[c_idx], op[data]]),
+                           np.concatenate([ch[c_idx], ch[data]]),
+                           np.concatenate([step[c_idx], step[data]]),
+                           np.concatenate([chunk[c_idx], chunk[data]]),
+                           np.concatenate([src[c_idx], dst[data]]),
+                           np.concatenate([dst[c_idx], src[data]]))
+        kc, kd = key_c[: len(c_idx)], key_c[len(c_idx):]
+        table = np.full(int(key_c.max()) + 1, -1, dtype=np.int64)
+        table[kc] = c_idx
+        cts_of[np.nonzero(data)[0]] = table[kd]
+
+    pos_in_r = np.full(n, -1, dtype=np.int64)
+    pos_in_r[r_idx] = np.arange(len(r_idx))
+
+    # ---- own-sender order inside a call+channel
+    sender = _group_ids(flow, src, is_net.astype(np.int64))
+
+    rounds_order = np.argsort(rnd, kind="stable")
+    bounds = np.flatnonzero(np.diff(rnd[rounds_order])) + 1
+    round_slices = np.split(rounds_order, bounds)
+
+    lower = t_ready.copy()
+    start = np.zeros(n, dtype=np.int64)
+    end = np.zeros(n, dtype=np.int64)
+    for _ in range(max_passes):
+        sender_free = np.zeros(int(sender.max()) + 1, dtype=np.int64)
+        end_sorted = np.zeros(len(r_idx), dtype=np.int64)
+        for idx in round_slices:
+            ready = lower[idx].copy()
+            hp = has_pred[idx]
+            if hp.any():
+                sub = idx[hp]
+                a, b = lo[sub], hi[sub]
+                mx = end_sorted[a]
+                for k in range(1, int((b - a).max())):
+                    more = (b - a) > k
+                    mx[more] = np.maximum(mx[more], end_sorted[a[more] + k])
+                ready[hp] = np.maximum(ready[hp], mx)
+            cd = cts_of[idx]
+            hc = cd >= 0
+            if hc.any():
+                ready[hc] = np.maximum(ready[hc], end[cd[hc]])
+            # serialize messages of the same sender inside this round, then after its last one
+            s = sender[idx]
+            o = np.lexsort((ready, s))
+            idx_o, s_o, r_o, d_o = idx[o], s[o], ready[o], dur[idx[o]]
+            r_o = np.maximum(r_o, sender_free[s_o])
+            st = _fifo_starts(s_o, r_o, d_o)
+            start[idx_o] = st
+            end[idx_o] = st + d_o + lat[idx_o]
+            np.maximum.at(sender_free, s_o, st + d_o)
+            rp = pos_in_r[idx_o]
+            keep = rp >= 0
+            end_sorted[rp[keep]] = end[idx_o[keep]]
+        # rule 4: first come, first served on each link across calls
+        new_start = _serialize_links(tx_link, start, dur)
+        if np.array_equal(new_start, start):
+            break
+        lower = np.maximum(lower, new_start)
+    start = _serialize_links(tx_link, start, dur)
+    end = start + dur + lat
+    messages["t_start_ns"] = start
+    messages["t_end_ns"] = end
+    return messages
+
+
+def _fifo_starts(group: np.ndarray, ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Start times of jobs served one at a time per group, in the given order (rows sorted by group).
+
+    Closed form of ``start_i = max(ready_i, start_{i-1} + dur_{i-1})`` within each group:
+    with ``D`` the exclusive prefix sum of ``dur`` inside the group,
+    ``start_i = D_i + max_{j<=i}(ready_j - D_j)`` — a segmented running maximum.
+    """
+    n = len(group)
+    if n == 0:
+        return ready
+    new = np.ones(n, dtype=bool)
+    new[1:] = group[1:] != group[:-1]
+    csum = np.cumsum(dur)
+    seg_first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    base = np.where(seg_first > 0, csum[seg_first - 1], 0)
+    D = csum - dur - base                       # exclusive prefix sum inside the group
+    x = ready - D
+    seg = np.cumsum(new) - 1
+    span = np.int64(x.max() - x.min() + 1)
+    shifted = x - x.min() + seg * span          # later groups dominate earlier ones
+    run = np.maximum.accumulate(shifted) - seg * span + x.min()
+    return D + run
+
+
+def _serialize_links(link: np.ndarray, start: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Push back messages that overlap on the same link (first come, first served by start)."""
+    o = np.lexsort((start, link))
+    st = _fifo_starts(link[o], start[o], dur[o])
+    out = np.empty_like(start)
+    out[o] = st
+    return out
