@@ -66,6 +66,194 @@ def main() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+class _Progress:
+    """A rich progress bar on stderr that appears only once a run has taken more than a second."""
+
+    def __init__(self, quiet: bool):
+        import time
+
+        self.quiet = quiet
+        self.t0 = time.monotonic()
+        self.bar = None
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, stage: str, done: int, total: int | None = None) -> None:
+        import time
+
+        if self.quiet:
+            return
+        if self.bar is None:
+            if time.monotonic() - self.t0 < 1.0:
+                return
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self.bar.start()
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=total)
+        self.bar.update(self.tasks[stage], completed=done, total=total)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1000.0
+    return f"{n}"
+
+
+@main.command()
+@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path),
+              help="Plan JSON (schemas/plan.schema.json). With --schedule only its cluster, "
+                   "collectives and transport sections are used.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Capture to write; the suffix chooses the format (.pcap, .pcapng, .erf).")
+@click.option("--schedule", "schedule_path", type=click.Path(path_type=Path),
+              help="Use a measured schedule instead of the plan's workload: a directory or "
+                   "collectives.parquet from `wiretrace schedule`, or an NCCL log / profiler trace / "
+                   "Chakra trace / nccl-tests output.")
+@click.option("--parquet", "parquet_dir", type=click.Path(path_type=Path),
+              help="Directory for collectives/messages/packets.parquet [default: <output stem>.parquet "
+                   "beside the capture].")
+@click.option("--no-parquet", is_flag=True, help="Write only the capture.")
+@click.option("--format", "fmt", type=click.Choice(["pcap", "pcapng", "erf"]),
+              help="Capture format [default: from the output suffix, else pcap].")
+@click.option("--snaplen", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Bytes kept of each frame; 0 keeps whole frames (deterministic payload bytes). "
+                   "The original frame length is always recorded.")
+@click.option("--split", type=click.Choice(["nic"]), help="One capture file per sending NIC.")
+@click.option("--max-file-size", type=str, help="Rotate the capture when a file reaches this size "
+              "(e.g. 100MB, like tcpdump -C).")
+@click.option("--max-packets", type=click.IntRange(min=1), default=50_000_000, show_default=True,
+              help="Refuse runs whose estimated packet count is larger (narrow the scope instead).")
+@click.option("--ranks", help="Keep traffic sent or received by these global ranks, e.g. 0-7,16.")
+@click.option("--parallelism", help="Keep these parallelisms only, e.g. dp,pp (dp tp sp pp cp ep other).")
+@click.option("--window", help="Keep packets with START <= ts < END, ns from iteration start "
+              "(units allowed: 0:5ms).")
+@click.option("--force", is_flag=True, help="Overwrite existing outputs.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@handle_errors
+def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, snaplen, split,
+             max_file_size, max_packets, ranks, parallelism, window, force, quiet):
+    """Generate the packets of one training iteration: plan -> capture + Parquet tables.
+
+    \b
+    Example:
+      wiretrace generate --plan samples/plans/gpt2-small-2x4.json -o out/iter.pcap
+    Open out/iter.pcap in Wireshark; RoCEv2 decodes on UDP port 4791 (filters such as
+    infiniband.bth.opcode == 0x0b, infiniband.bth.destqp, infiniband.reth.dmalen).
+    """
+    from . import pipeline
+    from .plan import load, parse_size
+
+    plan = load(plan_path, require_model=schedule_path is None)
+    sel = pipeline.Selection(ranks=pipeline.parse_ranks(ranks),
+                             parallelism=pipeline.parse_parallelism(parallelism),
+                             window=pipeline.parse_window(window))
+    mfs = parse_size(max_file_size, "--max-file-size") if max_file_size else None
+    if schedule_path is not None and not Path(schedule_path).exists():
+        raise WiretraceError(f"--schedule: {schedule_path}: no such file or directory")
+    bar = _Progress(quiet)
+    try:
+        s = pipeline.run_generate(plan, output, parquet_dir=parquet_dir, write_parquet=not no_parquet,
+                                  schedule=schedule_path, snaplen=snaplen, fmt=fmt, split=split,
+                                  max_file_size=mfs, max_packets=max_packets, selection=sel,
+                                  force=force, progress=bar)
+    finally:
+        bar.close()
+    if quiet:
+        return
+    click.echo(f"plan           {plan.name}")
+    click.echo(f"collectives    {s.collectives:,}")
+    click.echo(f"messages       {s.messages:,} ({s.network_messages:,} network, {s.nvlink_messages:,} NVLink)")
+    click.echo(f"packets        {s.packets:,}")
+    click.echo(f"network bytes  {_fmt_bytes(s.network_bytes)} payload, {_fmt_bytes(s.wire_bytes)} in frames")
+    if s.iteration_ns:
+        click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
+    click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start")
+    click.echo(f"capture        {s.outputs[0]}")
+    if len(s.outputs) > 1:
+        click.echo(f"parquet        {s.outputs[1]}")
+
+
+@main.command()
+@click.option("--plan", "plan_path", type=click.Path(path_type=Path),
+              help="Plan JSON: compute the analytical schedule of one iteration.")
+@click.option("--from", "from_paths", multiple=True, type=click.Path(path_type=Path),
+              help="Measured schedule file(s): NCCL debug log, PyTorch profiler trace, Chakra trace "
+                   "or nccl-tests output (repeat --from, or list several after it).")
+@click.argument("more", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--format", "fmt", default="auto", show_default=True,
+              type=click.Choice(["auto", "nccl-log", "kineto", "chakra", "nccl-tests"]),
+              help="Format of the --from files.")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Directory to write collectives.parquet (and messages.parquet with --plan).")
+@click.option("--messages/--no-messages", default=True, show_default=True,
+              help="With --plan, also lower the schedule to messages.parquet.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output directory.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors.")
+@handle_errors
+def schedule(plan_path, from_paths, more, fmt, output, messages, force, quiet):
+    """Write the collective schedule (no packets): from a plan, or read from measured files.
+
+    \b
+    Examples:
+      wiretrace schedule --plan samples/plans/llama3-8b-4x8.json -o sched/
+      wiretrace schedule --from rank0.log rank1.log -o sched/
+    """
+    from . import pipeline, topology
+    from .io.parquet import TableWriter, write_table
+    from .plan import load
+
+    paths = list(from_paths) + list(more)
+    if bool(plan_path) == bool(paths):
+        raise WiretraceError("give either --plan PLAN or --from FILE [FILE ...]")
+    staging = pipeline._Staging(force)
+    try:
+        tmp = staging.claim(Path(output), is_dir=True)
+        if plan_path:
+            plan = load(plan_path)
+            from . import collectives as coll_stage
+            from . import workload
+
+            coll = workload.build_collectives(plan)
+            topo = topology.build(plan)
+            coll = coll_stage.resolve_algorithms(coll, topo, plan)
+            write_table(tmp / "collectives.parquet", "collectives", coll)
+            nmsg = 0
+            if messages:
+                with TableWriter(tmp / "messages.parquet", "messages") as w:
+                    for m in pipeline.lower_and_time(coll, topo, plan, pipeline.Selection()):
+                        w.write(m)
+                        nmsg += len(m["msg_id"])
+            staging.commit()
+            if not quiet:
+                ops = coll.group_by(["parallelism", "op"]).aggregate([("bytes_global", "sum"), ("op_id", "count")])
+                click.echo(f"{coll.num_rows:,} collectives, {nmsg:,} messages")
+                for row in sorted(ops.to_pylist(), key=lambda r: (r["parallelism"], r["op"])):
+                    click.echo(f"  {row['parallelism']:<6} {row['op']:<15} {row['op_id_count']:>10,} calls "
+                               f"{_fmt_bytes(row['bytes_global_sum']):>14}")
+                click.echo(f"wrote {output}/collectives.parquet" + (" and messages.parquet" if messages else ""))
+        else:
+            from . import ingest
+
+            got = ingest.read_schedule(paths, fmt=fmt)
+            write_table(tmp / "collectives.parquet", "collectives", got.table)
+            staging.commit()
+            if not quiet:
+                click.echo(ingest.format_report(got.report))
+                click.echo(f"wrote {output}/collectives.parquet ({got.table.num_rows:,} collectives)")
+    except BaseException:
+        staging.abort()
+        raise
+
+
 # ---------------------------------------------------------------------------------------------
 # explain (workload)
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,439 @@
+"""The main job, stage by stage: plan (or measured schedule) -> collectives -> messages -> packets.
+
+:func:`run_generate` is what ``wiretrace generate`` calls. It wires the stages in the order of the
+pipeline and owns only the plumbing: shards, selection (``--ranks``, ``--parallelism``,
+``--window``), the packet-count estimate, and atomic output (temporary names renamed at the end,
+nothing left behind on error).
+
+Shards: the collectives table is small; its messages are not. Calls whose communicator spans nodes
+are lowered and timed together (so that their messages share NICs first come, first served);
+NVLink-only communicators are lowered in shards of whole communicators. Network messages are far
+fewer than packets (one per 512 KiB slice at most) and are kept for the transport stage, which
+produces packets in bounded, time-ordered chunks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from . import tables, timing, topology
+from .errors import WiretraceError
+from .io.parquet import TableWriter
+from .plan import Plan
+
+NVLINK_SHARD_MESSAGES = 2_000_000
+"""Target number of messages per NVLink-only shard."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What part of the iteration to keep: ranks (either end), parallelisms, time window (ns)."""
+
+    ranks: frozenset[int] | None = None
+    parallelism: frozenset[str] | None = None
+    window: tuple[int, int] | None = None
+
+
+@dataclass
+class Summary:
+    """Headline numbers of one generate run (printed by the CLI)."""
+
+    collectives: int = 0
+    messages: int = 0
+    network_messages: int = 0
+    nvlink_messages: int = 0
+    packets: int = 0
+    network_bytes: int = 0            # payload bytes of network data messages
+    wire_bytes: int = 0               # bytes of all frames (frame_len)
+    iteration_ns: int = 0
+    last_message_ns: int = 0
+    outputs: list[str] = field(default_factory=list)
+    estimate: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+def parse_ranks(text: str | None) -> frozenset[int] | None:
+    """``"0-3,8,12-13"`` -> {0,1,2,3,8,12,13}; raises WiretraceError on bad syntax."""
+    if not text:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise WiretraceError(f"--ranks: expected ranks like 0-3,8 but got {part!r}") from None
+    return frozenset(out)
+
+
+PARALLELISMS = ("dp", "tp", "sp", "pp", "cp", "ep", "other")
+
+
+def parse_parallelism(text: str | None) -> frozenset[str] | None:
+    if not text:
+        return None
+    names = {p.strip() for p in text.split(",") if p.strip()}
+    bad = sorted(names - set(PARALLELISMS))
+    if bad:
+        raise WiretraceError(f"--parallelism: unknown {', '.join(bad)}; expected some of {','.join(PARALLELISMS)}")
+    return frozenset(names)
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """``"START:END"`` in ns, or with units (``"1ms:2.5ms"``); END may be empty (to the end)."""
+    if not text:
+        return None
+    from .plan import parse_duration_ns
+
+    if ":" not in text:
+        raise WiretraceError(f"--window: expected START:END (ns or with units), got {text!r}")
+    a, b = text.split(":", 1)
+
+    def one(v: str, default: int) -> int:
+        v = v.strip()
+        if not v:
+            return default
+        if v.isdigit():
+            return int(v)
+        try:
+            return parse_duration_ns(v, "--window")
+        except WiretraceError:
+            raise WiretraceError(f"--window: expected START:END in ns (e.g. 0:5000000 or 0:5ms), got {text!r}") from None
+
+    lo, hi = one(a, 0), one(b, np.iinfo(np.int64).max)
+    if hi <= lo:
+        raise WiretraceError(f"--window: END ({hi}) must be after START ({lo})")
+    return lo, hi
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+def load_schedule(path: Path) -> pa.Table:
+    """A measured schedule: a directory or file written by ``wiretrace schedule``, or any log/trace
+    that :mod:`wiretrace.ingest` reads."""
+    from .io.parquet import read_table
+
+    path = Path(path)
+    if path.is_dir():
+        f = path / "collectives.parquet"
+        if not f.is_file():
+            raise WiretraceError(f"--schedule: {path} holds no collectives.parquet")
+        return read_table(f, "collectives")
+    if path.suffix == ".parquet":
+        return read_table(path, "collectives")
+    from . import ingest
+
+    got = ingest.read_schedule([path])
+    return got.table
+
+
+def build_collectives(plan: Plan, schedule: Path | None = None) -> pa.Table:
+    """The collectives table from the plan's workload, or from a measured schedule."""
+    if schedule is not None:
+        return load_schedule(schedule)
+    from . import workload
+
+    return workload.build_collectives(plan)
+
+
+def select_collectives(coll: pa.Table, sel: Selection) -> pa.Table:
+    if sel.parallelism is not None:
+        mask = pc.is_in(coll.column("parallelism").cast(pa.string()), pa.array(sorted(sel.parallelism)))
+        coll = coll.filter(mask)
+    if sel.ranks is not None:
+        flat = pc.list_flatten(coll.column("ranks")).to_numpy()
+        lens = pc.list_value_length(coll.column("ranks")).to_numpy()
+        hit = np.isin(flat, np.fromiter(sel.ranks, dtype=np.int64))
+        owner = np.repeat(np.arange(coll.num_rows), lens)
+        keep = np.zeros(coll.num_rows, dtype=bool)
+        keep[owner[hit]] = True
+        coll = coll.filter(pa.array(keep))
+    return coll
+
+
+def _spans_nodes(coll: pa.Table, topo: topology.Topology) -> np.ndarray:
+    """True for each call whose communicator has ranks on more than one node."""
+    lens = pc.list_value_length(coll.column("ranks")).to_numpy()
+    flat = pc.list_flatten(coll.column("ranks")).to_numpy().astype(np.int64)
+    if len(flat) and flat.max() >= topo.world_size:
+        raise WiretraceError(f"schedule names rank {int(flat.max())} but the cluster has {topo.world_size} GPUs")
+    nodes = topo.rank_node[flat]
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    if len(flat) == 0:
+        return np.zeros(coll.num_rows, dtype=bool)
+    mn = np.minimum.reduceat(nodes, starts) if len(starts) else np.zeros(0)
+    mx = np.maximum.reduceat(nodes, starts) if len(starts) else np.zeros(0)
+    return np.where(lens > 0, mn != mx, False)
+
+
+def shards(coll: pa.Table, topo: topology.Topology) -> Iterator[pa.Table]:
+    """Split calls into shards: every network-spanning call together, then NVLink-only
+    communicators grouped into shards of about NVLINK_SHARD_MESSAGES messages (whole
+    communicators)."""
+    if coll.num_rows == 0:
+        return
+    net = _spans_nodes(coll, topo)
+    if net.any():
+        yield coll.filter(pa.array(net))
+    local = coll.filter(pa.array(~net))
+    if local.num_rows == 0:
+        return
+    groups = local.column("group").to_numpy()
+    # rough message count: a ring moves 2(n-1) slices per rank per call
+    n = local.column("group_size").to_numpy().astype(np.int64)
+    b = np.maximum(local.column("bytes_per_rank").to_numpy(), 1)
+    est = n * 2 * np.maximum(1, n - 1) * np.maximum(1, b // (512 * 1024 * np.maximum(1, n)))
+    order = np.argsort(groups, kind="stable")
+    g_sorted = groups[order]
+    bounds = np.flatnonzero(np.diff(g_sorted)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(order)]])
+    acc: list[np.ndarray] = []
+    acc_est = 0
+    for s, e in zip(starts, ends):
+        rows = order[s:e]
+        acc.append(rows)
+        acc_est += int(est[rows].sum())
+        if acc_est >= NVLINK_SHARD_MESSAGES:
+            yield local.take(pa.array(np.sort(np.concatenate(acc))))
+            acc, acc_est = [], 0
+    if acc:
+        yield local.take(pa.array(np.sort(np.concatenate(acc))))
+
+
+def lower_and_time(coll: pa.Table, topo: topology.Topology, plan: Plan, sel: Selection,
+                   rings: dict | None = None) -> Iterator[dict]:
+    """Yield timed messages (columns dict) shard by shard, with QPs assigned to network rows."""
+    from . import collectives, transport
+
+    next_id = 0
+    for shard in shards(coll, topo):
+        msgs = collectives.lower(shard, topo, plan, rings=rings) if rings else collectives.lower(shard, topo, plan)
+        if len(msgs["msg_id"]) == 0:
+            continue
+        timing.schedule(msgs, shard, topo, plan)
+        if sel.ranks is not None:
+            r = np.fromiter(sel.ranks, dtype=np.int64)
+            keep = np.isin(msgs["src_rank"], r) | np.isin(msgs["dst_rank"], r)
+            msgs = {k: np.asarray(v)[keep] for k, v in msgs.items()}
+        msgs["msg_id"] = np.arange(next_id, next_id + len(msgs["msg_id"]), dtype=np.int64)
+        next_id += len(msgs["msg_id"])
+        msgs = transport.assign_qps(msgs, topo, plan)
+        yield msgs
+
+
+def estimate_packets(net: dict, plan: Plan, snaplen: int) -> dict:
+    """Packets and capture bytes the network messages will produce (before writing them).
+
+    Data packets: ceil(wire_bytes / path MTU) per message (at least 1); one ACK per message;
+    capture bytes: 16-byte pcap record header plus min(snaplen, frame) per packet.
+    """
+    wire = np.asarray(net.get("wire_bytes", np.zeros(0)), dtype=np.int64)
+    mtu = plan.transport.path_mtu
+    data = int(np.maximum(1, -(-wire // mtu)).sum()) if len(wire) else 0
+    acks = len(wire)
+    packets = data + acks
+    frame = 4096 + 100
+    per = 16 + (min(snaplen, frame) if snaplen else frame)
+    return {"packets": packets, "data_packets": data, "ack_packets": acks,
+            "capture_bytes": packets * per}
+
+
+def _concat(chunks: list[dict]) -> dict:
+    if not chunks:
+        return {}
+    return {k: np.concatenate([np.asarray(c[k]) for c in chunks]) for k in chunks[0]}
+
+
+class _Staging:
+    """Temporary output names beside the final ones; renamed on commit, removed on failure."""
+
+    def __init__(self, force: bool):
+        self.force = force
+        self.pairs: list[tuple[Path, Path]] = []
+
+    def claim(self, final: Path, is_dir: bool = False) -> Path:
+        final = Path(final)
+        if final.exists() and not self.force:
+            raise WiretraceError(f"{final} exists; pass --force to overwrite it")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if is_dir:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+            os.close(fd)
+            tmp = Path(name)
+        self.pairs.append((tmp, final))
+        return tmp
+
+    def commit(self) -> None:
+        for tmp, final in self.pairs:
+            if final.is_dir() and not final.is_symlink():
+                shutil.rmtree(final)
+            elif final.exists():
+                final.unlink()
+            os.replace(tmp, final)
+        self.pairs = []
+
+    def abort(self) -> None:
+        for tmp, _ in self.pairs:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        self.pairs = []
+
+
+def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
+                 write_parquet: bool = True, schedule: Path | None = None,
+                 snaplen: int = 128, fmt: str | None = None, split: str | None = None,
+                 max_file_size: int | None = None, max_packets: int = 50_000_000,
+                 selection: Selection = Selection(), force: bool = False,
+                 progress: Callable[[str, int, int | None], None] | None = None) -> Summary:
+    """Run the whole pipeline and write the capture (and Parquet tables).
+
+    Parameters
+    ----------
+    plan : validated plan (cluster-only when ``schedule`` is given).
+    output : capture path; its suffix chooses pcap / pcapng / erf unless ``fmt`` is given.
+    parquet_dir : directory for collectives/messages/packets.parquet; default ``<stem>.parquet``
+        beside the capture.
+    snaplen : bytes kept per frame (0 keeps whole frames); the original length is always recorded.
+    max_packets : refuse (WiretraceError) when the estimate exceeds it.
+    progress : callback ``(stage, done, total)``.
+
+    Raises
+    ------
+    WiretraceError : invalid selection, an existing output without ``force``, too many packets,
+        inconsistent schedule. Nothing is left behind on error.
+    """
+    from . import collectives as coll_stage
+    from . import io as wio
+    from . import transport
+
+    def tick(stage: str, done: int, total: int | None = None) -> None:
+        if progress:
+            progress(stage, done, total)
+
+    t0 = time.perf_counter()
+    summary = Summary()
+    topo = topology.build(plan)
+    output = Path(output)
+    if parquet_dir is None:
+        parquet_dir = output.with_name(output.stem + ".parquet")
+    staging = _Staging(force)
+    try:
+        cap_tmp = staging.claim(output, is_dir=(split == "nic"))
+        pq_tmp = staging.claim(Path(parquet_dir), is_dir=True) if write_parquet else None
+
+        tick("schedule", 0)
+        coll = build_collectives(plan, schedule)
+        coll = select_collectives(coll, selection)
+        coll = coll_stage.resolve_algorithms(coll, topo, plan)
+        summary.collectives = coll.num_rows
+        tick("schedule", coll.num_rows, coll.num_rows)
+
+        msg_writer = TableWriter(pq_tmp / "messages.parquet", "messages") if pq_tmp else None
+        net_chunks: list[dict] = []
+        done = 0
+        for msgs in lower_and_time(coll, topo, plan, selection):
+            is_net = msgs["link"] == "network"
+            summary.messages += len(is_net)
+            summary.network_messages += int(is_net.sum())
+            summary.nvlink_messages += int((~is_net).sum())
+            if len(is_net):
+                summary.last_message_ns = max(summary.last_message_ns, int(msgs["t_end_ns"].max()))
+            if msg_writer:
+                msg_writer.write(msgs)
+            if is_net.any():
+                net_chunks.append({k: v[is_net] for k, v in msgs.items()})
+            done += len(is_net)
+            tick("messages", done, None)
+        if msg_writer:
+            msg_writer.close()
+        net = _concat(net_chunks)
+        if not net:
+            net = {k: np.zeros(0, dtype=tables.numpy_dtype("messages", k)) for k in tables.column_names("messages")}
+        order = np.argsort(net["t_start_ns"], kind="stable")
+        net = {k: v[order] for k, v in net.items()}
+        summary.network_bytes = int(net["bytes"][net["kind"] == "data"].sum()) if len(net["bytes"]) else 0
+
+        est = estimate_packets(net, plan, snaplen)
+        summary.estimate = est
+        if est["packets"] > max_packets:
+            raise WiretraceError(
+                f"this run would write about {est['packets']:,} packets (~{est['capture_bytes'] / 1e9:.1f} GB), "
+                f"more than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism dp,tp,pp,... "
+                f"or --window START:END (ns), or raise --max-packets")
+
+        pkt_writer = TableWriter(pq_tmp / "packets.parquet", "packets") if pq_tmp else None
+        window = selection.window
+
+        def packet_chunks() -> Iterator[dict]:
+            written = 0
+            for chunk in transport.packetize(net, topo, plan):
+                if window is not None:
+                    ts = chunk["ts_ns"]
+                    keep = (ts >= window[0]) & (ts < window[1])
+                    if not keep.all():
+                        chunk = {k: np.asarray(v)[keep] for k, v in chunk.items()}
+                n = len(chunk["ts_ns"])
+                if n == 0:
+                    continue
+                summary.packets += n
+                summary.wire_bytes += int(np.asarray(chunk["frame_len"], dtype=np.int64).sum())
+                if pkt_writer:
+                    pkt_writer.write(chunk)
+                written += n
+                tick("packets", written, est["packets"])
+                yield chunk
+
+        wio.write_capture(cap_tmp, packet_chunks(), topo, plan, snaplen=snaplen,
+                          fmt=fmt or _format_from_suffix(output), split=split,
+                          max_file_size=max_file_size)
+        if pkt_writer:
+            pkt_writer.close()
+        if pq_tmp:
+            from .io.parquet import write_table
+
+            write_table(pq_tmp / "collectives.parquet", "collectives", coll)
+        try:
+            from . import workload
+
+            if schedule is None:
+                summary.iteration_ns = int(workload.iteration_estimate(plan)["total_ns"])
+        except (ImportError, AttributeError, KeyError):
+            summary.iteration_ns = 0
+        staging.commit()
+        summary.outputs = [str(output)] + ([str(parquet_dir)] if write_parquet else [])
+    except BaseException:
+        staging.abort()
+        raise
+    summary.elapsed_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+    return summary
+
+
+def _format_from_suffix(path: Path) -> str:
+    suf = path.suffix.lower()
+    return {".pcapng": "pcapng", ".erf": "erf"}.get(suf, "pcap")
