@@ -1,0 +1,234 @@
+"""The main job end to end: `wiretrace generate` on the demo plan, as a user runs it.
+
+Checks the capture with tshark (an independent dissector), the Parquet tables against each other
+and against the published ring all-reduce volume 2(n-1)*S (Patarasuk & Yuan 2009; nccl-tests
+doc/PERFORMANCE.md bus bandwidth), determinism, and every error path of the command.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import SAMPLES, require_tool, run_cli
+
+PSN_MOD = 1 << 24
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", out / "iter.pcap", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def tables(out: Path):
+    d = out / "iter.parquet"
+    return (pq.read_table(d / "collectives.parquet"), pq.read_table(d / "messages.parquet"),
+            pq.read_table(d / "packets.parquet"))
+
+
+def test_outputs_exist_with_declared_columns(demo: Path):
+    from wiretrace import tables as T
+
+    assert (demo / "iter.pcap").stat().st_size > 24
+    for name, t in zip(T.TABLES, tables(demo)):
+        assert t.column_names == T.column_names(name)
+        assert t.num_rows > 0
+    # pcap global header: nanosecond magic, Ethernet link type, snaplen 128
+    head = (demo / "iter.pcap").read_bytes()[:24]
+    assert head[:4] == bytes.fromhex("4d3cb2a1")
+    assert int.from_bytes(head[16:20], "little") == 128
+    assert int.from_bytes(head[20:24], "little") == 1
+
+
+def test_tshark_decodes_every_frame_as_rocev2(demo: Path):
+    tshark = require_tool("tshark")
+    _, _, pk = tables(demo)
+    out = subprocess.run([tshark, "-r", demo / "iter.pcap", "-T", "fields", "-E", "separator=,",
+                          "-e", "udp.dstport", "-e", "infiniband.bth.opcode", "-e", "infiniband.bth.destqp",
+                          "-e", "infiniband.bth.psn", "-e", "frame.len"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == pk.num_rows
+    rows = [line.split(",") for line in out]
+    assert all(r[0] == "4791" for r in rows)
+    opcode = np.array([int(r[1], 0) for r in rows])
+    destqp = np.array([int(r[2], 0) for r in rows])
+    psn = np.array([int(r[3], 0) for r in rows])
+    flen = np.array([int(r[4]) for r in rows])
+    assert np.array_equal(opcode, pk.column("opcode").to_numpy())
+    assert np.array_equal(destqp, pk.column("dest_qp").to_numpy())
+    assert np.array_equal(psn, pk.column("psn").to_numpy())
+    assert np.array_equal(flen, pk.column("frame_len").to_numpy())
+    expert = subprocess.run([tshark, "-r", demo / "iter.pcap", "-q", "-z", "expert,error"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "Malformed" not in expert and "Error" not in expert.replace("Errors (0)", "")
+
+
+def test_payload_bytes_are_conserved(demo: Path):
+    _, msg, pk = tables(demo)
+    net = msg.filter(pc.equal(msg.column("link"), "network"))
+    data_ops = pk.filter(pc.not_equal(pk.column("opcode"), 0x11))  # everything but ACKs
+    assert pc.sum(data_ops.column("payload_len")).as_py() == pc.sum(net.column("wire_bytes")).as_py()
+
+
+def test_ring_all_reduce_moves_2_n_minus_1_S(demo: Path):
+    coll, msg, _ = tables(demo)
+    ar = coll.filter(pc.and_(pc.equal(coll.column("op"), "all_reduce"), pc.equal(coll.column("algorithm"), "ring")))
+    assert ar.num_rows > 0
+    data = msg.filter(pc.equal(msg.column("kind"), "data"))
+    op_ids = data.column("op_id").to_numpy()
+    sent = np.bincount(op_ids, weights=data.column("bytes").to_numpy(), minlength=coll.num_rows)
+    for row in ar.select(["op_id", "group_size", "bytes_global"]).to_pylist():
+        n, S = row["group_size"], row["bytes_global"]
+        assert sent[row["op_id"]] == 2 * (n - 1) * S
+
+
+def test_dp_all_reduce_is_the_only_network_traffic_of_tp4_dp2(demo: Path):
+    coll, msg, _ = tables(demo)
+    net = msg.filter(pc.equal(msg.column("link"), "network"))
+    ops = set(net.column("op_id").to_numpy().tolist())
+    par = coll.column("parallelism").to_pylist()
+    assert ops and {par[o] for o in ops} == {"dp"}
+    tp_ops = {i for i, p in enumerate(par) if p == "tp"}
+    tp_msgs = msg.filter(pc.is_in(msg.column("op_id"), value_set=__import__("pyarrow").array(sorted(tp_ops))))
+    assert set(tp_msgs.column("link").to_pylist()) == {"nvlink"}
+
+
+def test_psn_contiguous_and_opcode_sequences(demo: Path):
+    _, msg, pk = tables(demo)
+    d = pk.to_pydict()
+    opcode = np.array(d["opcode"])
+    data = opcode != 0x11
+    qp = np.array(d["dest_qp"])[data]
+    psn = np.array(d["psn"])[data]
+    src = np.array(d["src_nic"])[data]
+    mid = np.array(d["msg_id"])[data]
+    ops = opcode[data]
+    plen = np.array(d["payload_len"])[data]
+    # per (sender NIC, QP), in capture order: PSN increments by one modulo 2^24
+    key = src.astype(np.int64) * (1 << 24) + qp
+    order = np.lexsort((np.arange(len(key)), key))
+    k, p = key[order], psn[order]
+    same = k[1:] == k[:-1]
+    assert np.all((p[1:][same] - p[:-1][same]) % PSN_MOD == 1)
+    # per message: FIRST MIDDLE* LAST(_WITH_IMM) or ONLY; FIRST/MIDDLE carry exactly the MTU
+    FIRST, MIDDLE, LAST, LAST_IMM, ONLY, ONLY_IMM = 0x06, 0x07, 0x08, 0x09, 0x0A, 0x0B
+    order = np.lexsort((psn, mid))
+    wire = dict(zip(msg.column("msg_id").to_pylist(), msg.column("wire_bytes").to_pylist()))
+    bounds = np.flatnonzero(np.diff(mid[order])) + 1
+    for seq in np.split(order, bounds):
+        o = ops[seq].tolist()
+        if len(o) == 1:
+            assert o[0] in (ONLY, ONLY_IMM)
+        else:
+            assert o[0] == FIRST and o[-1] in (LAST, LAST_IMM) and all(x == MIDDLE for x in o[1:-1])
+            assert all(plen[seq][:-1] == 4096)
+        assert plen[seq].sum() == wire[int(mid[seq[0]])]
+
+
+def test_same_plan_same_bytes(tmp_path: Path, demo: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "iter.pcap", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert filecmp.cmp(tmp_path / "iter.pcap", demo / "iter.pcap", shallow=False)
+    for name in ("collectives", "messages", "packets"):
+        a = (tmp_path / "iter.parquet" / f"{name}.parquet").read_bytes()
+        b = (demo / "iter.parquet" / f"{name}.parquet").read_bytes()
+        assert a == b, name
+
+
+def test_summary_names_the_outputs(tmp_path: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "x.pcap",
+                   "--parallelism", "dp", "--ranks", "0,4")
+    assert proc.returncode == 0, proc.stderr
+    for word in ("collectives", "messages", "packets", "network bytes", "iteration", str(tmp_path / "x.pcap")):
+        assert word in proc.stdout
+
+
+def _files(d: Path) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*")}
+
+
+def write_plan(tmp_path: Path, mutate) -> Path:
+    d = json.loads((SAMPLES / "gpt2-small-2x4.json").read_text())
+    mutate(d)
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize("mutate,fragment", [
+    (lambda d: d["cluster"].update(nodes=0), "$.cluster.nodes"),
+    (lambda d: d["transport"].update(path_mtu=9000), "$.transport.path_mtu"),
+    (lambda d: d["parallelism"].update(dp=4), "tp*cp*dp*pp = 4*1*4*1 = 16 but nodes*gpus_per_node = 2*4 = 8"),
+    (lambda d: d["parallelism"].update(tp=8, dp=1) or d["cluster"].update(gpus_per_node=8, nodes=1)
+     or d["model"].update(num_attention_heads=12), None),
+    (lambda d: d["model"].update(preset="gpt5"), "unknown preset 'gpt5'"),
+    (lambda d: d["training"].update(global_batch_size=10), "global_batch_size = 10 is not divisible by micro_batch_size*dp = 4*2 = 8"),
+    (lambda d: d["model"].update(num_hidden_layers=13) or d["parallelism"].update(pp=2, dp=1), "num_hidden_layers = 13 is not divisible by pp"),
+])
+def test_bad_plans_exit_2_with_one_line_and_no_files(tmp_path: Path, mutate, fragment):
+    plan = write_plan(tmp_path, mutate)
+    before = _files(tmp_path)
+    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "out.pcap")
+    if fragment is None:   # tp 8 with 12 heads: heads not divisible by tp
+        fragment = "num_attention_heads = 12 is not divisible by tp = 8"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert fragment in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert _files(tmp_path) == before
+
+
+def test_existing_output_needs_force(tmp_path: Path):
+    target = tmp_path / "iter.pcap"
+    target.write_bytes(b"keep me")
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", target, "--quiet")
+    assert proc.returncode == 2 and "--force" in proc.stderr
+    assert target.read_bytes() == b"keep me"
+    assert _files(tmp_path) == {"iter.pcap"}
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", target, "--quiet", "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_bytes()[:4] == bytes.fromhex("4d3cb2a1")
+
+
+def test_max_packets_refuses_with_estimate_and_leaves_nothing(tmp_path: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "iter.pcap",
+                   "--max-packets", "1000")
+    assert proc.returncode == 2
+    assert "would write about" in proc.stderr and "--ranks" in proc.stderr and "--window" in proc.stderr
+    assert _files(tmp_path) == set()
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--ranks", "3-1"], "--ranks"),
+    (["--parallelism", "xp"], "unknown xp"),
+    (["--window", "5:1"], "--window"),
+    (["--plan", "/nonexistent/plan.json"], "cannot read plan"),
+])
+def test_bad_options_exit_2(tmp_path: Path, args, fragment):
+    base = ["generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "i.pcap"]
+    if args[0] == "--plan":
+        base = ["generate", "-o", tmp_path / "i.pcap"]
+    proc = run_cli(*base, *args)
+    assert proc.returncode == 2 and fragment in proc.stderr
+    assert _files(tmp_path) == set()
+
+
+def test_window_keeps_only_packets_inside(tmp_path: Path, demo: Path):
+    _, _, pk = tables(demo)
+    ts = pk.column("ts_ns").to_numpy()
+    lo, hi = int(np.percentile(ts, 25)), int(np.percentile(ts, 50))
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "w.pcap",
+                   "--window", f"{lo}:{hi}", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    w = pq.read_table(tmp_path / "w.parquet" / "packets.parquet").column("ts_ns").to_numpy()
+    assert len(w) == int(((ts >= lo) & (ts < hi)).sum())
+    assert w.min() >= lo and w.max() < hi
