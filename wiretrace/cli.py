@@ -269,5 +269,57 @@ def schedule(plan_path, from_paths, more, fmt, output, messages, force, quiet):
 # ---------------------------------------------------------------------------------------------
 
 
+def _analysis_options(fn):
+    """Options shared by summarize and plot."""
+    fn = click.option("--timescales", default="1us,10us,100us,1ms,10ms", show_default=True,
+                      help="Burstiness window widths, comma-separated durations.")(fn)
+    fn = click.option("--idle-gap", default="1us", show_default=True,
+                      help="Idle time that ends a burst (on/off periods).")(fn)
+    fn = click.option("--line-rate", help="Line rate for utilization, e.g. 400Gbps [default: the plan's nic_rate].")(fn)
+    fn = click.option("--plan", "plan_path", type=click.Path(path_type=Path, dir_okay=False),
+                      help="Plan the input was generated from: names NICs by address, maps them to "
+                           "nodes, gives the line rate.")(fn)
+    return fn
+
+
+def _analysis_kwargs(plan_path, line_rate, idle_gap, timescales) -> dict:
+    from .plan import load, parse_duration_ns, parse_rate
+
+    return {
+        "plan": load(plan_path, require_model=False) if plan_path else None,
+        "line_rate_bps": parse_rate(line_rate, "--line-rate") if line_rate else None,
+        "idle_gap_ns": parse_duration_ns(idle_gap, "--idle-gap"),
+        "timescales_ns": tuple(parse_duration_ns(t, "--timescales") for t in timescales.split(",") if t.strip()),
+    }
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (stable keys).")
+@click.option("--by", type=click.Choice(["nic", "node", "parallelism", "phase"]), default="nic",
+              show_default=True, help="Break traffic down by NIC, node, parallelism or phase "
+                                      "(parallelism and phase need a Parquet directory).")
+@click.option("--flows", "top_flows", type=int, default=20, show_default=True,
+              help="Flows listed in the text output (JSON lists all).")
+@_analysis_options
+@handle_errors
+def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap, timescales):
+    """Summarize a capture (pcap, pcapng, ERF) or a wiretrace Parquet directory.
+
+    Flows (IP pair, UDP source port, DestQP), message and flow sizes, burstiness per NIC and
+    direction (peak-to-mean, CoV, index of dispersion at 1 us..10 ms; on/off periods), link
+    utilization, node x node matrix, opcode mix, ACK/CNP counts and ECN marks. Memory stays
+    bounded whatever the capture size.
+    """
+    from .analysis import summarize as run
+    from .analysis.report import print_text, to_json
+
+    doc = run(input_path, by=by, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
+    if as_json:
+        click.echo(to_json(doc))
+    else:
+        print_text(doc, top_flows=top_flows)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
