@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import InputFormatError, WiretraceError
+from ..errors import InputFormatError
 from .burstiness import ETHERNET_L1_OVERHEAD_BYTES
 from .summary import Endpoints
 
@@ -73,7 +73,7 @@ def _address_map(plan):
     topo = topology.build(plan)
     amap = {}
     for i in range(topo.num_nics):
-        amap[("ip", int(topo.nic_ipv4[i]).to_bytes(4, "big"))] = i
+        amap[("ip", int(topo.nic_ipv4[i]).to_bytes(4, "big"))] = i   # IPv4 (from ::ffff:a.b.c.d)
         amap[("ip", bytes(topo.nic_ipv6[i]))] = i
         amap[("lid", int(topo.nic_lid[i]))] = i
     return topo, amap
@@ -246,37 +246,80 @@ def _open_capture(path: Path, plan, rate) -> Input:
         fmt = cap.format
     topo, amap = _address_map(plan)
     eps = Endpoints()
-    info = {"format": fmt, "frames": 0, "skipped": {}}
+    info = {"format": fmt, "frames": 0, "roce_frames": 0, "skipped": {}}
 
-    def endpoint_ids(kind: str, addrs: list) -> np.ndarray:
-        ids = np.empty(len(addrs), dtype=np.int64)
-        cache = {}
-        for i, a in enumerate(addrs):
-            j = cache.get(a)
-            if j is None:
-                nic = amap.get((kind, a), -1)
-                if kind == "lid":
-                    label = f"lid {a}"
-                elif len(a) == 4:
-                    label = str(ipaddress.IPv4Address(a))
-                else:
-                    v6 = ipaddress.IPv6Address(a)
-                    label = str(v6.ipv4_mapped) if v6.ipv4_mapped else str(v6)
-                node = int(topo.nic_node[nic]) if nic >= 0 else -1
-                j = cache[a] = eps.get((kind, a), label, nic, node)
-            ids[i] = j
-        return ids
+    def label_of(key: bytes) -> tuple[str, int]:
+        if key[16] == 1:                     # native IB without GRH: the LID
+            lid = int.from_bytes(key[14:16], "big")
+            return f"lid {lid}", amap.get(("lid", lid), -1)
+        v6 = ipaddress.IPv6Address(key[:16])
+        label = str(v6.ipv4_mapped) if v6.ipv4_mapped is not None else str(v6)
+        if v6.ipv4_mapped is not None:
+            return label, amap.get(("ip", key[12:16]), -1)
+        return label, amap.get(("ip", key[:16]), -1)
+
+    def endpoint_ids(keys: np.ndarray) -> np.ndarray:
+        """Endpoint id of each ``(n, 17)`` address key (16 address bytes + 1 if a LID)."""
+        flat = np.ascontiguousarray(keys).view(f"V{keys.shape[1]}").ravel()
+        uk, inv = np.unique(flat, return_inverse=True)
+        ids = np.empty(len(uk), dtype=np.int64)
+        for j, k in enumerate(uk):
+            kb = bytes(k)
+            label, nic = label_of(kb)
+            node = int(topo.nic_node[nic]) if nic >= 0 else -1
+            ids[j] = eps.get(kb, label, nic, node)
+        return ids[inv.ravel()]
 
     def batches() -> Iterator[dict]:
-        from ..io.capture import iter_frames
-        from ..transport.parse import parse_frames
+        from ..transport.parse import ParseStats, iter_packets
 
-        for fb in iter_frames(path):
-            info["frames"] += len(fb)
-            yield from _capture_batch(fb, parse_frames, endpoint_ids, info)
+        stats = ParseStats()
+        for fb, cols in iter_packets(path, stats=stats, on_truncated="warn"):
+            info["frames"] = stats.frames
+            info["roce_frames"] = stats.roce
+            if stats.non_roce:
+                info["skipped"]["not RoCEv2/InfiniBand"] = stats.non_roce
+            b = _capture_batch(cols, endpoint_ids)
+            if b is not None:
+                yield b
+        info["truncated_frames"] = stats.truncated
 
     return Input("capture", path, eps, {}, rate, batches, None, None, info)
 
 
-def _capture_batch(fb, parse_frames, endpoint_ids, info) -> Iterator[dict]:
-    raise WiretraceError("capture input needs wiretrace.transport.parse")
+def _address_keys(cols: dict, side: str) -> np.ndarray:
+    """``(n, 17)`` uint8 keys naming the sending or receiving port of each parsed frame."""
+    from ..transport.parse import KIND_IB
+
+    addr = cols[f"{side}_addr"]
+    keys = np.zeros((len(addr), 17), dtype=np.uint8)
+    keys[:, :16] = addr
+    lid_only = cols["kind"] == KIND_IB
+    if lid_only.any():
+        lid = cols["slid" if side == "src" else "dlid"][lid_only].astype(np.int64)
+        keys[lid_only, :16] = 0
+        keys[lid_only, 14] = (lid >> 8) & 0xFF
+        keys[lid_only, 15] = lid & 0xFF
+        keys[lid_only, 16] = 1
+    return keys
+
+
+def _capture_batch(cols: dict, endpoint_ids) -> dict | None:
+    """Packet batch (see ``summary.BATCH_COLUMNS``) from parsed capture columns."""
+    from ..transport.parse import KIND_IB, KIND_IB_GRH
+
+    n = len(cols["ts_ns"])
+    if n == 0:
+        return None
+    both = endpoint_ids(np.concatenate([_address_keys(cols, "src"), _address_keys(cols, "dst")]))
+    flen = cols["frame_len"].astype(np.int64)
+    flen = np.where(flen > 0, flen, cols["origlen"].astype(np.int64))
+    ib = np.isin(cols["kind"], (KIND_IB, KIND_IB_GRH))
+    return {
+        "ts_ns": cols["ts_ns"].astype(np.int64), "src": both[:n], "dst": both[n:],
+        "udp_sport": cols["udp_sport"].astype(np.int32), "dest_qp": cols["dest_qp"].astype(np.int32),
+        "opcode": cols["opcode"].astype(np.uint8),
+        "payload_len": np.maximum(cols["payload_len"].astype(np.int64), 0),
+        "frame_len": flen, "wire_len": flen + np.where(ib, 0, ETHERNET_L1_OVERHEAD_BYTES),
+        "ecn": cols["ecn"].astype(np.uint8), "dscp": cols["dscp"].astype(np.uint8),
+    }
