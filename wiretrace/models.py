@@ -44,6 +44,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True
     attention_bias: bool = False
+    attention_out_bias: bool = False
     mlp_bias: bool = False
     norm: str = "rmsnorm"
     position_embedding: str = "rope"
@@ -55,6 +56,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_layer_freq: int = 1
     capacity_factor: float = 1.0
+    first_moe_layer: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -64,8 +66,24 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_local_experts > 1
 
+    @property
+    def kv_size(self) -> int:
+        """Width of the K (or V) projection: ``num_key_value_heads * head_dim``."""
+        return self.num_key_value_heads * self.head_dim
 
-_GPT2 = dict(tie_word_embeddings=True, gated_mlp=False, attention_bias=True, mlp_bias=True,
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when ``layer`` (0-based) has a mixture-of-experts MLP.
+
+        MoE layers are every ``moe_layer_freq``-th layer from ``first_moe_layer`` on (Mixtral: all;
+        Switch/GShard-style ``moe_layer_freq: 2``: every other layer; DeepSeek/Qwen-MoE
+        ``first_k_dense_replace`` maps to ``first_moe_layer``).
+        """
+        return (self.is_moe and layer >= self.first_moe_layer
+                and (layer - self.first_moe_layer) % self.moe_layer_freq == 0)
+
+
+_GPT2 = dict(tie_word_embeddings=True, gated_mlp=False, attention_bias=True, attention_out_bias=True,
+             mlp_bias=True,
              norm="layernorm", position_embedding="learned", hidden_act="gelu_new", vocab_size=50257)
 _LLAMA3 = dict(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, gated_mlp=True,
                norm="rmsnorm", position_embedding="rope", hidden_act="silu")
@@ -164,3 +182,218 @@ def resolve(spec: Mapping[str, Any], base_dir: Path | None = None) -> ModelConfi
         base = from_hf_config(p)
         return dataclasses.replace(base, **{k: v for k, v in spec.items() if k in _FIELDS})
     return from_dims(spec.get("name", "custom"), spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters: one record per tensor, in registration order, with its tensor-parallel split
+# ---------------------------------------------------------------------------------------------
+
+#: How a tensor is split across tensor-parallel ranks (Megatron-LM ``megatron/core/tensor_parallel/
+#: layers.py``): ``"column"`` (ColumnParallelLinear: output rows divided by tp), ``"row"``
+#: (RowParallelLinear: input columns divided by tp), ``"vocab"`` (VocabParallelEmbedding and the
+#: output layer: padded vocabulary rows divided by tp) or ``"replicated"`` (norms, row-parallel
+#: biases, the router, learned position embeddings).
+TP_SPLITS = ("column", "row", "vocab", "replicated")
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of the model.
+
+    Attributes
+    ----------
+    name : Hugging Face style name, e.g. ``layers.3.self_attn.q_proj.weight``.
+    shape : full (unsharded) shape, PyTorch ``nn.Linear`` convention ``(out, in)``.
+    layer : transformer layer index, -1 for embeddings, final norm and output layer.
+    split : one of :data:`TP_SPLITS`.
+    expert : routed-expert index for MoE expert weights, -1 otherwise. Expert weights are divided
+        across expert-parallel ranks (whole experts) and reduced over the expert data-parallel group.
+    where : ``"first"`` (input embeddings, first pipeline stage), ``"last"`` (final norm, output
+        layer), or ``"layer"``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    layer: int
+    split: str
+    expert: int = -1
+    where: str = "layer"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def shard_numel(self, tp: int, padded_vocab: int | None = None) -> int:
+        """Elements held by one tensor-parallel rank.
+
+        KV projections with fewer KV heads than ``tp`` are replicated head by head (each rank holds
+        one head), as Megatron-LM does for ``num_query_groups < tp``.
+        """
+        if self.split == "replicated" or tp == 1 and self.split != "vocab":
+            return self.numel
+        if self.split == "vocab":
+            rows = padded_vocab if padded_vocab is not None else self.shape[0]
+            return -(-rows // tp) * (self.shape[1] if len(self.shape) > 1 else 1)
+        dim = 0 if self.split == "column" else 1
+        full = self.shape[dim]
+        part = max(full // tp, 1) if full % tp == 0 or full < tp else -(-full // tp)
+        rest = self.numel // full
+        return part * rest
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Vocabulary padded as Megatron-LM does before splitting it across TP ranks.
+
+    Megatron-LM ``megatron/training/tokenizer/tokenizer.py`` (``_vocab_size_with_padding``) rounds
+    the vocabulary up to a multiple of ``make_vocab_size_divisible_by`` (default 128) x tp.
+    """
+    m = divisible_by * tp
+    return -(-vocab_size // m) * m
+
+
+def param_tensors(m: ModelConfig) -> list[ParamTensor]:
+    """Every parameter tensor of ``m`` in registration (``named_parameters``) order.
+
+    The order is the Hugging Face modules' order: input embeddings (and learned positions), then
+    per layer input norm, Q, K, V, O projections (with their biases), post-attention norm, MLP
+    (router then experts then shared experts for MoE layers), then final norm and output layer
+    (absent when embeddings are tied). PyTorch DDP fills gradient buckets in the reverse of this
+    order (``torch/nn/parallel/distributed.py``: parameters reversed before
+    ``_compute_bucket_assignment_by_size``).
+    """
+    h, kv, ffn = m.hidden_size, m.kv_size, m.intermediate_size
+    out: list[ParamTensor] = [ParamTensor("embed_tokens.weight", (m.vocab_size, h), -1, "vocab", where="first")]
+    if m.position_embedding == "learned":
+        out.append(ParamTensor("embed_positions.weight", (m.max_position_embeddings or 2048, h), -1,
+                               "replicated", where="first"))
+    ln = m.norm == "layernorm"
+
+    def norm(prefix: str, layer: int, where: str = "layer") -> list[ParamTensor]:
+        r = [ParamTensor(f"{prefix}.weight", (h,), layer, "replicated", where=where)]
+        if ln:
+            r.append(ParamTensor(f"{prefix}.bias", (h,), layer, "replicated", where=where))
+        return r
+
+    def mlp(prefix: str, layer: int, inter: int, expert: int = -1) -> list[ParamTensor]:
+        r = []
+        names = ("gate_proj", "up_proj") if m.gated_mlp else ("up_proj",)
+        for nm in names:
+            r.append(ParamTensor(f"{prefix}.{nm}.weight", (inter, h), layer, "column", expert))
+            if m.mlp_bias:
+                r.append(ParamTensor(f"{prefix}.{nm}.bias", (inter,), layer, "column", expert))
+        r.append(ParamTensor(f"{prefix}.down_proj.weight", (h, inter), layer, "row", expert))
+        if m.mlp_bias:
+            r.append(ParamTensor(f"{prefix}.down_proj.bias", (h,), layer, "replicated", expert))
+        return r
+
+    for i in range(m.num_hidden_layers):
+        p = f"layers.{i}"
+        out += norm(f"{p}.input_layernorm", i)
+        for nm, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+            out.append(ParamTensor(f"{p}.self_attn.{nm}.weight", (rows, h), i, "column"))
+            if m.attention_bias:
+                out.append(ParamTensor(f"{p}.self_attn.{nm}.bias", (rows,), i, "column"))
+        out.append(ParamTensor(f"{p}.self_attn.o_proj.weight", (h, h), i, "row"))
+        if m.attention_out_bias:
+            out.append(ParamTensor(f"{p}.self_attn.o_proj.bias", (h,), i, "replicated"))
+        out += norm(f"{p}.post_attention_layernorm", i)
+        if m.is_moe_layer(i):
+            inter = m.moe_intermediate_size or ffn
+            out.append(ParamTensor(f"{p}.mlp.router.weight", (m.num_local_experts, h), i, "replicated"))
+            for e in range(m.num_local_experts):
+                out += mlp(f"{p}.mlp.experts.{e}", i, inter, expert=e)
+            for e in range(m.num_shared_experts):
+                out += mlp(f"{p}.mlp.shared_experts.{e}", i, inter)
+        else:
+            out += mlp(f"{p}.mlp", i, ffn)
+    out += norm("norm", -1, where="last")
+    if not m.tie_word_embeddings:
+        out.append(ParamTensor("lm_head.weight", (m.vocab_size, h), -1, "vocab", where="last"))
+    return out
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model (elements, not bytes).
+
+    ``total`` counts every tensor once (tied embeddings once), as published model cards do;
+    ``active`` counts the parameters one token uses (top-k routed experts plus shared ones);
+    ``embedding`` the input embedding (and learned positions); ``output`` the untied output layer.
+    """
+
+    total: int
+    active: int
+    embedding: int
+    output: int
+    per_layer: tuple[int, ...]
+
+
+def count_parameters(m: ModelConfig) -> ParamCounts:
+    """Total, active and per-layer parameter counts of ``m`` (see :class:`ParamCounts`)."""
+    per_layer = [0] * m.num_hidden_layers
+    total = emb = outp = 0
+    expert_numel: dict[int, int] = {}
+    for t in param_tensors(m):
+        total += t.numel
+        if t.layer >= 0:
+            per_layer[t.layer] += t.numel
+            if t.expert >= 0:
+                expert_numel[t.layer] = expert_numel.get(t.layer, 0) + t.numel
+        elif t.where == "first":
+            emb += t.numel
+        elif t.name.startswith("lm_head"):
+            outp += t.numel
+    inactive = sum(n * (m.num_local_experts - m.num_experts_per_tok) // m.num_local_experts
+                   for n in expert_numel.values())
+    return ParamCounts(total=total, active=total - inactive, embedding=emb, output=outp,
+                       per_layer=tuple(per_layer))
+
+
+def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int = 0,
+                 last: int = 0) -> list[list[int]]:
+    """Global layer indices of each virtual pipeline stage (``pp * virtual_stages`` lists).
+
+    Virtual stage ``c * pp + s`` lives on pipeline rank ``s`` as model chunk ``c`` (Megatron-LM's
+    interleaved assignment, ``megatron/core/transformer/transformer_block.py``). ``first``/``last``
+    (Megatron-LM ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``; 0 =
+    even split) give the first and last pipeline ranks fewer layers, as Llama 3 405B training did
+    (one layer fewer on the first and last stage: 126 layers on 16 stages, Llama 3 paper sec. 3.3.2).
+
+    Raises
+    ------
+    PlanError : layers cannot be split as asked.
+    """
+    per_rank = [0] * pp
+    if pp == 1:
+        per_rank = [num_layers]
+    else:
+        rest, middle = num_layers, pp
+        if first:
+            per_rank[0] = first; rest -= first; middle -= 1
+        if last:
+            per_rank[-1] = last; rest -= last; middle -= 1
+        if middle <= 0 and rest:
+            raise PlanError(f"plan: {num_layers} layers do not fit first/last stage layer counts {first}/{last}")
+        if middle and rest % middle:
+            raise PlanError(f"plan: num_hidden_layers = {num_layers} minus first/last stage layers "
+                            f"({first}/{last}) is not divisible by the {middle} other pipeline stages")
+        for s in range(pp):
+            if not ((s == 0 and first) or (s == pp - 1 and last)):
+                per_rank[s] = rest // middle if middle else 0
+    for s, n in enumerate(per_rank):
+        if n % virtual_stages or n <= 0:
+            raise PlanError(f"plan: pipeline stage {s} has {n} layers, not a positive multiple of "
+                            f"virtual_stages = {virtual_stages}")
+    # Virtual stages are ordered chunk-major (all ranks' chunk 0, then chunk 1, ...); chunk c of
+    # rank s holds per_rank[s] / virtual_stages consecutive layers.
+    out: list[list[int]] = []
+    acc = 0
+    for _chunk in range(virtual_stages):
+        for s in range(pp):
+            n = per_rank[s] // virtual_stages
+            out.append(list(range(acc, acc + n)))
+            acc += n
+    return out

@@ -92,6 +92,8 @@ class Parallelism:
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     cp_algorithm: str = "ring"
+    decoder_first_pipeline_num_layers: int = 0   # 0: even split (Megatron-LM argument names)
+    decoder_last_pipeline_num_layers: int = 0
 
     @property
     def world_size(self) -> int:
@@ -281,7 +283,11 @@ def check_consistency(plan: Plan, require_model: bool = True) -> None:
         raise PlanError(f"plan: num_attention_heads = {m.num_attention_heads} is not divisible by tp = {p.tp}")
     if m.num_key_value_heads % p.tp and p.tp % m.num_key_value_heads:
         raise PlanError(f"plan: num_key_value_heads = {m.num_key_value_heads} and tp = {p.tp}: neither divides the other")
-    if m.num_hidden_layers % (p.pp * p.virtual_stages):
+    if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+        from .models import stage_layers
+        stage_layers(m.num_hidden_layers, p.pp, p.virtual_stages,
+                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    elif m.num_hidden_layers % (p.pp * p.virtual_stages):
         raise PlanError(f"plan: num_hidden_layers = {m.num_hidden_layers} is not divisible by "
                         f"pp*virtual_stages = {p.pp}*{p.virtual_stages}")
     if m.is_moe and m.num_local_experts % p.ep:
