@@ -321,5 +321,47 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
         print_text(doc, top_flows=top_flows)
 
 
+@main.command()
+@click.argument("capture", type=click.Path(path_type=Path))
+@click.option("--iface", help="Send the frames on this Linux interface (AF_PACKET raw socket; root or CAP_NET_RAW).")
+@click.option("--udp", metavar="HOST:PORT", help="Send each frame's RoCE part (BTH through ICRC) as a UDP datagram.")
+@click.option("--speed", type=float, default=1.0, show_default=True, help="Multiplier of the recorded timing.")
+@click.option("--pps", type=float, help="Frames per second instead of the recorded timing.")
+@click.option("--mbps", type=float, help="Megabits per second (10^6 bit/s) instead of the recorded timing.")
+@click.option("--topspeed", is_flag=True, help="Send as fast as possible.")
+@click.option("--loop", type=int, default=1, show_default=True, help="Passes over the capture.")
+@click.option("--engine", type=click.Choice(["native", "tcpreplay"]), default="native", show_default=True,
+              help="tcpreplay: hand an interface replay to tcpreplay.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, as_json):
+    """Replay CAPTURE on an interface (--iface) or to a UDP socket (--udp), keeping its timing.
+
+    Truncated frames are padded back to their original length. Reports packets, bytes, the
+    achieved rate and the timing error.
+    """
+    import json
+
+    from .analysis.report import fmt_ns, fmt_rate
+    from .replay import replay as run
+
+    rep = run(capture, iface=iface, udp=udp, speed=speed, pps=pps, mbps=mbps, topspeed=topspeed,
+              loop=loop, engine=engine)
+    if as_json:
+        click.echo(json.dumps(rep.as_dict(), indent=2))
+        return
+    pps_txt = f"{rep.achieved_pps:,.0f} pps" if rep.achieved_pps else "-"
+    click.echo(f"sent {rep.packets:,} packets, {rep.bytes:,} bytes to {rep.target} in {fmt_ns(rep.duration_ns)} "
+               f"({rep.loops} loop{'s' if rep.loops != 1 else ''}, {rep.engine})")
+    click.echo(f"achieved       {pps_txt}, {fmt_rate(rep.achieved_bps)}")
+    if rep.timing_error_mean_ns is not None:
+        click.echo(f"timing error   mean {fmt_ns(rep.timing_error_mean_ns)}, p99 {fmt_ns(rep.timing_error_p99_ns)}, "
+                   f"max {fmt_ns(rep.timing_error_max_ns)}")
+    if rep.padded:
+        click.echo(f"padded         {rep.padded:,} truncated frames back to their original length")
+    if rep.skipped:
+        click.echo(f"skipped        {rep.skipped:,} frames without a BTH")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

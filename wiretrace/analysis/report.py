@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
 from pathlib import Path
