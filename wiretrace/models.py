@@ -57,10 +57,16 @@ class ModelConfig:
     moe_layer_freq: int = 1
     capacity_factor: float = 1.0
     first_moe_layer: int = 0
+    head_dim: int = 0                   # 0: hidden_size // num_attention_heads
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def q_size(self) -> int:
+        """Width of the Q projection (and input of O): ``num_attention_heads * head_dim``."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -126,18 +132,37 @@ def from_dims(name: str, dims: Mapping[str, Any]) -> ModelConfig:
 
 
 def from_hf_config(path: Path) -> ModelConfig:
-    """Read a Hugging Face ``config.json`` (Llama, Mistral/Mixtral, Qwen2, GPT-2 families).
+    """Read a Hugging Face ``config.json`` (Llama, Mistral, Mixtral, Qwen2 and GPT-2 families).
 
-    GPT-2 configs use ``n_layer``/``n_embd``/``n_head``/``n_inner``/``n_positions``; they are mapped
-    to the Llama names. Raises :class:`PlanError` naming the file when it cannot be read or lacks
-    the dimensions.
+    Family conventions follow the ``transformers`` modeling files:
+
+    * ``llama`` / ``mistral`` (``modeling_llama.py``, ``modeling_mistral.py``): SwiGLU MLP, RMSNorm,
+      ``attention_bias`` on Q, K, V and O, ``mlp_bias`` on the MLP (Llama), untied unless
+      ``tie_word_embeddings``;
+    * ``mixtral`` (``modeling_mixtral.py``): every layer's MLP is ``num_local_experts`` SwiGLU experts
+      of ``intermediate_size`` with a bias-free router, ``num_experts_per_tok`` routed per token;
+    * ``qwen2`` (``modeling_qwen2.py``): biases on Q, K and V only;
+    * ``gpt2`` (``modeling_gpt2.py``): ``n_layer``/``n_embd``/``n_head``/``n_inner``/``n_positions``,
+      GELU MLP, LayerNorm with biases, learned positions, biases everywhere, tied embeddings.
+
+    Raises
+    ------
+    PlanError : the file cannot be read or parsed, lacks a dimension, or has an unknown
+        ``model_type`` without Llama-style fields.
     """
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise PlanError(f"model.hf_config: cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"model.hf_config: {path} is not a JSON object")
     mt = str(cfg.get("model_type", ""))
+    name = Path(path).parent.name or mt or "hf"
     if mt == "gpt2" or "n_embd" in cfg:
+        need = ("n_layer", "n_embd", "n_head")
+        missing = [k for k in need if k not in cfg]
+        if missing:
+            raise PlanError(f"model.hf_config: {path} (gpt2) lacks {', '.join(missing)}")
         d = dict(_GPT2)
         d.update(num_hidden_layers=cfg["n_layer"], hidden_size=cfg["n_embd"],
                  num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_head"],
@@ -145,21 +170,30 @@ def from_hf_config(path: Path) -> ModelConfig:
                  vocab_size=cfg.get("vocab_size", 50257),
                  max_position_embeddings=cfg.get("n_positions", 1024),
                  tie_word_embeddings=cfg.get("tie_word_embeddings", True))
-        return from_dims(cfg.get("_name_or_path") or Path(path).parent.name or "gpt2", d)
+        return from_dims(name, d)
     need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:
         raise PlanError(f"model.hf_config: {path} lacks {', '.join(missing)}")
-    d = dict(cfg)
+    if mt and mt not in ("llama", "mistral", "mixtral", "qwen2"):
+        raise PlanError(f"model.hf_config: {path} has model_type {mt!r}; known: gpt2, llama, mistral, mixtral, qwen2")
+    d = {k: v for k, v in cfg.items() if v is not None}
     d.setdefault("tie_word_embeddings", False)
     d["gated_mlp"] = True
-    d.setdefault("norm", "rmsnorm")
-    d.setdefault("position_embedding", "rope")
+    d["norm"] = "rmsnorm"
+    d["position_embedding"] = "rope"
     if mt == "qwen2":
-        d.setdefault("attention_bias", True)  # Qwen2 has q/k/v biases (modeling_qwen2.py)
-    if "num_local_experts" in cfg:
+        d["attention_bias"] = True          # q/k/v biases, o_proj without (modeling_qwen2.py)
+        d["attention_out_bias"] = False
+        d["mlp_bias"] = False
+    elif mt == "mixtral":
+        d["attention_bias"] = d["attention_out_bias"] = False
+        d["mlp_bias"] = False
+    else:
+        d["attention_out_bias"] = bool(d.get("attention_bias", False))
+    if d.get("num_local_experts", 1) > 1:
         d["moe_intermediate_size"] = cfg.get("intermediate_size")
-    return from_dims(cfg.get("_name_or_path") or Path(path).parent.name or mt or "hf", d)
+    return from_dims(name, d)
 
 
 def resolve(spec: Mapping[str, Any], base_dir: Path | None = None) -> ModelConfig:
@@ -292,11 +326,11 @@ def param_tensors(m: ModelConfig) -> list[ParamTensor]:
     for i in range(m.num_hidden_layers):
         p = f"layers.{i}"
         out += norm(f"{p}.input_layernorm", i)
-        for nm, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+        for nm, rows in (("q_proj", m.q_size), ("k_proj", kv), ("v_proj", kv)):
             out.append(ParamTensor(f"{p}.self_attn.{nm}.weight", (rows, h), i, "column"))
             if m.attention_bias:
                 out.append(ParamTensor(f"{p}.self_attn.{nm}.bias", (rows,), i, "column"))
-        out.append(ParamTensor(f"{p}.self_attn.o_proj.weight", (h, h), i, "row"))
+        out.append(ParamTensor(f"{p}.self_attn.o_proj.weight", (h, m.q_size), i, "row"))
         if m.attention_out_bias:
             out.append(ParamTensor(f"{p}.self_attn.o_proj.bias", (h,), i, "replicated"))
         out += norm(f"{p}.post_attention_layernorm", i)

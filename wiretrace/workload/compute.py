@@ -57,10 +57,10 @@ def layer_flops(m: ModelConfig, b: int, s: int, layer: int, causal: bool = True)
 
     Returns ``{"attn_proj", "attn_core", "mlp"}`` in FLOPs.
     """
-    h, kv = m.hidden_size, m.kv_size
+    h, q, kv = m.hidden_size, m.q_size, m.kv_size
     tokens = b * s
-    attn_proj = 2.0 * tokens * h * (2 * h + 2 * kv)
-    attn_core = 4.0 * b * s * s * h * (0.5 if causal else 1.0)
+    attn_proj = 2.0 * tokens * h * (2 * q + 2 * kv)
+    attn_core = 4.0 * b * s * s * q * (0.5 if causal else 1.0)
     nmat = 3 if m.gated_mlp else 2
     if m.is_moe_layer(layer):
         f = m.moe_intermediate_size or m.intermediate_size

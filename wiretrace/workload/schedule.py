@@ -277,7 +277,7 @@ class Workload:
         def layer_forward(layer: int, prefix: str = "") -> None:
             fl = layer_flops(m, self.b, self.s, layer)
             proj = fl["attn_proj"] / f_ns
-            qkv_frac = (m.hidden_size + 2 * m.kv_size) / (2 * m.hidden_size + 2 * m.kv_size)
+            qkv_frac = (m.q_size + 2 * m.kv_size) / (2 * m.q_size + 2 * m.kv_size)
             sp_gather(prefix + "attn.qkv_proj.input", layer)
             work(proj * qkv_frac)
             self._cp_forward(coll, fl["attn_core"] / f_ns, layer, prefix, clock, compute)
@@ -343,7 +343,7 @@ class Workload:
                 tp_reduce("mlp.up_proj.input_grad", layer)
                 # attention backward
                 sp_gather("attn.out_proj.activation_grad", layer)
-                qkv_frac = (m.hidden_size + 2 * m.kv_size) / (2 * m.hidden_size + 2 * m.kv_size)
+                qkv_frac = (m.q_size + 2 * m.kv_size) / (2 * m.q_size + 2 * m.kv_size)
                 work(2 * proj * (1 - qkv_frac))
                 self._cp_backward(coll, 2 * fl["attn_core"] / f_ns, layer, clock, compute)
                 sp_gather("attn.qkv_proj.input", layer, wait=False)
