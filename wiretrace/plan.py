@@ -132,6 +132,7 @@ class Collectives:
     step_bytes: int = 512 * 1024
     cts: bool = True
     qps_per_connection: int = 1
+    split_data_on_qps: bool = False     # NCCL_IB_SPLIT_DATA_ON_QPS (0 by default since NCCL 2.20)
     ring_order: tuple[int, ...] = ()
 
     def algorithm_for(self, op: str) -> str:
