@@ -18,13 +18,14 @@ about 200 µs before a frame is due and spins for the rest, so a frame leaves wi
 microseconds of its due time on an idle machine; the report gives the actual error.
 
 ``engine="tcpreplay"`` hands an interface replay to tcpreplay (``--multiplier``, ``--pps``,
-``--mbps``, ``--topspeed``, ``--loop``), after ``tcprewrite --fixlen=pad`` when frames were
-truncated, and parses its statistics.
+``--mbps``, ``--topspeed``, ``--loop``), after writing a padded copy when frames were truncated,
+and parses its statistics.
 """
 
 from __future__ import annotations
 
 import errno
+from decimal import Decimal
 import os
 import re
 import shutil
@@ -427,12 +428,8 @@ def _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop) -> Repla
     with tempfile.TemporaryDirectory(prefix="wiretrace-replay-") as tmp:
         src = Path(capture)
         if truncated:
-            fixed = Path(tmp) / "padded.pcap"
-            r = subprocess.run(["tcprewrite", "--fixlen=pad", f"--infile={src}", f"--outfile={fixed}"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise WiretraceError(f"tcprewrite --fixlen=pad failed: {_last_line(r.stderr or r.stdout)}")
-            src = fixed
+            src = Path(tmp) / "padded.pcap"
+            _write_padded(capture, src)
         cmd = [exe, f"--intf1={iface}", f"--loop={loop}"]
         if topspeed:
             cmd.append("--topspeed")
@@ -447,6 +444,22 @@ def _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop) -> Repla
     if r.returncode != 0:
         raise WiretraceError(f"tcpreplay failed: {_last_line(r.stderr or r.stdout)}")
     return _parse_tcpreplay(r.stdout + r.stderr, iface, loop, padded)
+
+
+def _write_padded(capture: Path, out: Path) -> None:
+    """Copy ``capture`` to a nanosecond pcap (dpkt's writer) with every truncated frame padded
+    with zeros to its original length. (tcprewrite --fixlen=pad also rewrites the MAC addresses
+    of IPv6 frames to multicast ones, so it is not used.)"""
+    import dpkt
+
+    with open(out, "wb") as f:
+        w = dpkt.pcap.Writer(f, snaplen=262144, linktype=LINKTYPE_ETHERNET, nano=True)
+        for batch in iter_frames(capture):
+            for i in range(len(batch)):
+                frame = batch.frame(i)
+                pad = int(batch.origlen[i]) - len(frame)
+                ts = Decimal(int(batch.ts_ns[i])) / Decimal(1_000_000_000)   # exact ns
+                w.writepkt(frame + bytes(max(pad, 0)), ts=ts)
 
 
 def _last_line(text: str) -> str:

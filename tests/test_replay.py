@@ -1,0 +1,337 @@
+"""wiretrace replay: frames on a veth pair between two network namespaces, datagrams on loopback.
+
+The interface tests create their own namespaces (``ip netns add``) joined by a veth pair, replay
+from one end and capture with tcpdump on the other; the namespaces are removed afterwards, also
+on failure. They need root (raw sockets, namespaces), iproute2 and tcpdump: in CI (env CI set)
+a missing tool fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import struct
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import dpkt
+import pytest
+from scapy.contrib.roce import BTH
+from scapy.layers.inet import IP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import Dot1Q, Ether
+from scapy.packet import Raw
+from scapy.utils import wrpcap
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "real" / "roce_packets"
+WIRETRACE = [sys.executable, "-m", "wiretrace.cli"]
+IN_CI = bool(os.environ.get("CI"))
+
+
+def need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{tool} is required in CI")
+        pytest.skip(f"{tool} not installed")
+    return path
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("replay interface tests need root in CI")
+        pytest.skip("needs root")
+
+
+def roce_frames(n: int = 300, truncate_every: int = 7, snap: int = 90):
+    """RoCEv2 frames built by scapy (independent of wiretrace): RC SEND FIRST/MIDDLE/LAST of
+    varying sizes, IPv4, IPv6 and VLAN-tagged; every ``truncate_every``-th frame is cut to ``snap``
+    bytes (scapy writes its ``wirelen`` as the original length). Returns (packets, full bytes)."""
+    pkts, full = [], []
+    for i in range(n):
+        payload = bytes((i + j) & 0xFF for j in range(64 + (i * 37) % 1400))
+        bth = BTH(opcode=(0, 1, 2)[i % 3], dqpn=0x100 + i % 4, psn=i, padcount=(-len(payload)) % 4)
+        pl = payload + bytes((-len(payload)) % 4)
+        if i % 5 == 4:
+            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / IPv6(src="fd00::1", dst="fd00::2") / \
+                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
+        elif i % 5 == 3:
+            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / Dot1Q(vlan=100, prio=3) / \
+                IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / \
+                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
+        else:
+            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / \
+                IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / \
+                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
+        raw = bytes(p)
+        full.append(raw)
+        out = Ether(raw)
+        out.time = 1_700_000_000 + i * 100e-6
+        if truncate_every and i % truncate_every == 0:
+            out = Ether(raw[:snap])
+            out.time = 1_700_000_000 + i * 100e-6
+            out.wirelen = len(raw)
+        pkts.append(out)
+    return pkts, full
+
+
+@pytest.fixture
+def capture(tmp_path):
+    pkts, full = roce_frames()
+    path = tmp_path / "roce.pcap"
+    wrpcap(str(path), pkts)
+    return path, full
+
+
+def run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.fixture
+def netns_pair():
+    """Two namespaces joined by a veth pair (MTU 9000, IPv6 off so that nothing else is sent)."""
+    need_root()
+    need("ip")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"wtra{tag}", f"wtrb{tag}"
+    ia, ib = f"wva{tag}", f"wvb{tag}"
+    try:
+        for cmd in (["ip", "netns", "add", a], ["ip", "netns", "add", b],
+                    ["ip", "link", "add", ia, "netns", a, "type", "veth", "peer", "name", ib, "netns", b]):
+            r = run(cmd)
+            assert r.returncode == 0, r.stderr
+        for ns, dev in ((a, ia), (b, ib)):
+            for cmd in (["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
+                        ["sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1"],
+                        ["ip", "link", "set", dev, "mtu", "9000"], ["ip", "link", "set", dev, "up"]):
+                r = run(["ip", "netns", "exec", ns, *cmd])
+                assert r.returncode == 0, r.stderr
+        yield {"a": a, "b": b, "ia": ia, "ib": ib}
+    finally:
+        run(["ip", "netns", "del", a])
+        run(["ip", "netns", "del", b])
+
+
+class Tcpdump:
+    """tcpdump writing everything received on an interface of a namespace to a pcap."""
+
+    def __init__(self, ns: str, dev: str, out: Path):
+        need("tcpdump")
+        self.out = out
+        self.proc = subprocess.Popen(["ip", "netns", "exec", ns, "tcpdump", "-i", dev, "-n", "-U", "-s", "0",
+                                      "--immediate-mode", "-B", "65536", "-Q", "in", "-w", str(out)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 20
+        line = ""
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if "listening on" in line or not line:
+                break
+        assert "listening on" in line, f"tcpdump did not start: {line}"
+
+    def stop(self):
+        time.sleep(0.3)
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=20)
+        self.stats = err
+        with open(self.out, "rb") as f:
+            return [(ts, bytes(buf)) for ts, buf in dpkt.pcap.Reader(f)]
+
+
+def replay_in(ns: str, *args) -> subprocess.CompletedProcess:
+    return run(["ip", "netns", "exec", ns, *WIRETRACE, "replay", *args])
+
+
+def padded(full: list[bytes], snap: int = 90, every: int = 7) -> list[bytes]:
+    """What replay must send: truncated frames padded with zeros to their original length."""
+    return [f[:snap] + bytes(len(f) - snap) if i % every == 0 else f for i, f in enumerate(full)]
+
+
+def test_iface_frames_arrive_byte_identical_at_pps(netns_pair, capture, tmp_path):
+    path, full = capture
+    dump = Tcpdump(netns_pair["b"], netns_pair["ib"], tmp_path / "rx.pcap")
+    r = replay_in(netns_pair["a"], str(path), "--iface", netns_pair["ia"], "--pps", "10000", "--json")
+    got = dump.stop()
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    want = padded(full)
+    assert [g for _, g in got] == want
+    assert rep["packets"] == len(want) == 300
+    assert rep["bytes"] == sum(map(len, want))
+    assert rep["padded"] == len(range(0, 300, 7))
+    assert abs(rep["achieved_pps"] - 10000) / 10000 < 0.05
+    # the receiver's own clock agrees
+    rx_pps = (len(got) - 1) / (got[-1][0] - got[0][0])
+    assert abs(rx_pps - 10000) / 10000 < 0.05
+
+
+def test_iface_recorded_timing_and_loop(netns_pair, capture, tmp_path):
+    path, full = capture
+    dump = Tcpdump(netns_pair["b"], netns_pair["ib"], tmp_path / "rx.pcap")
+    r = replay_in(netns_pair["a"], str(path), "--iface", netns_pair["ia"], "--speed", "2", "--loop", "2", "--json")
+    got = dump.stop()
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert [g for _, g in got] == padded(full) * 2
+    assert rep["loops"] == 2 and rep["packets"] == 600
+    # recorded gap 100 µs at speed 2 -> 50 µs; 599 gaps (the second loop follows the first)
+    span = got[-1][0] - got[0][0]
+    assert span == pytest.approx(599 * 50e-6, rel=0.05)
+    assert rep["timing_error_p99_ns"] is not None
+
+
+def test_iface_tcpreplay_engine(netns_pair, capture, tmp_path):
+    need("tcpreplay")
+    path, full = capture
+    dump = Tcpdump(netns_pair["b"], netns_pair["ib"], tmp_path / "rx.pcap")
+    r = replay_in(netns_pair["a"], str(path), "--iface", netns_pair["ia"], "--engine", "tcpreplay",
+                  "--pps", "20000", "--json")
+    got = dump.stop()
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["engine"] == "tcpreplay" and rep["packets"] == 300
+    assert [g for _, g in got] == padded(full)
+
+
+def test_real_vectors_on_veth(netns_pair, tmp_path):
+    src = REAL / "scapy_roce_test_vectors.pcap"
+    with open(src, "rb") as f:
+        want = [bytes(b) for _, b in dpkt.pcap.Reader(f)]
+    dump = Tcpdump(netns_pair["b"], netns_pair["ib"], tmp_path / "rx.pcap")
+    r = replay_in(netns_pair["a"], str(src), "--iface", netns_pair["ia"], "--topspeed")
+    got = dump.stop()
+    assert r.returncode == 0, r.stderr
+    assert [g for _, g in got] == want
+    assert "sent 2 packets, 152 bytes" in r.stdout
+
+
+def test_errors_are_one_line_exit_2(netns_pair, capture, tmp_path):
+    path, _ = capture
+    ns, dev = netns_pair["a"], netns_pair["ia"]
+    r = replay_in(ns, str(path), "--iface", "nosuch0")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --iface nosuch0: no such network interface (see `ip link`)"
+    assert run(["ip", "netns", "exec", ns, "ip", "link", "set", dev, "down"]).returncode == 0
+    r = replay_in(ns, str(path), "--iface", dev)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: --iface {dev}: interface is down (ip link set {dev} up)"
+    assert run(["ip", "netns", "exec", ns, "ip", "link", "set", dev, "up"]).returncode == 0
+    # MTU too small for the largest frame
+    assert run(["ip", "netns", "exec", ns, "ip", "link", "set", dev, "mtu", "1000"]).returncode == 0
+    r = replay_in(ns, str(path), "--iface", dev)
+    assert r.returncode == 2 and "MTU 1000" in r.stderr and "ip link set" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    # native InfiniBand link type cannot go on an Ethernet interface
+    ib = tmp_path / "ib.pcap"
+    with open(ib, "wb") as f:
+        w = dpkt.pcap.Writer(f, linktype=247)
+        w.writepkt(bytes.fromhex("f0020003001a0001") + bytes(44), ts=1.0)
+    r = replay_in(ns, str(ib), "--iface", dev)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"error: capture link type 247 (InfiniBand) cannot be sent on {dev} (Ethernet)")
+    # not a capture
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello\n")
+    r = replay_in(ns, str(bad), "--iface", dev)
+    assert r.returncode == 2 and "not a capture" in r.stderr
+
+
+def test_permission_error_without_cap_net_raw(capture):
+    need_root()
+    need("setpriv")
+    src, _ = capture
+    public = Path(tempfile.mkdtemp(prefix="wiretrace-perm-"))
+    try:
+        os.chmod(public, 0o755)
+        path = public / "roce.pcap"
+        shutil.copy(src, path)
+        os.chmod(path, 0o644)
+        r = run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+             "--bounding-set=-all", *WIRETRACE, "replay", str(path), "--iface", "lo"],
+                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    finally:
+        shutil.rmtree(public)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: replay --iface needs a raw socket: run as root or grant CAP_NET_RAW "
+                                "(setcap cap_net_raw+ep on the Python interpreter)")
+
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)   # Linux socket(7)
+
+
+def udp_receiver(family=socket.AF_INET, host="127.0.0.1"):
+    """A UDP socket collecting (kernel receive time in s, datagram) in a thread."""
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    sock.bind((host, 0))
+    got = []
+
+    def loop():
+        sock.settimeout(2.0)
+        try:
+            while True:
+                data, anc, _, _ = sock.recvmsg(65535, 256)
+                sec, nsec = next(struct.unpack("qq", d[:16]) for lvl, typ, d in anc if typ == SO_TIMESTAMPNS)
+                got.append((sec + nsec * 1e-9, data))
+        except socket.timeout:
+            pass
+        finally:
+            sock.close()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    return sock.getsockname()[1], got, t
+
+
+def test_udp_sends_bth_onward_with_timing(capture):
+    path, full = capture
+    port, got, t = udp_receiver()
+    r = run([*WIRETRACE, "replay", str(path), "--udp", f"127.0.0.1:{port}", "--pps", "5000", "--json"])
+    t.join()
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    # expected: the UDP payload of each frame as scapy decodes it (BTH .. ICRC), zero-padded where
+    # the capture cut the frame
+    want = []
+    for i, raw in enumerate(padded(full)):
+        udp = Ether(full[i])[UDP]
+        start = len(raw) - len(bytes(udp)) + 8
+        want.append(raw[start:start + udp.len - 8])
+    assert [g for _, g in got] == want
+    assert rep["packets"] == 300 and rep["bytes"] == sum(map(len, want))
+    assert abs(rep["achieved_pps"] - 5000) / 5000 < 0.05
+    rx_pps = (len(got) - 1) / (got[-1][0] - got[0][0])
+    assert abs(rx_pps - 5000) / 5000 < 0.05
+
+
+def test_udp_real_vectors_ipv6_target():
+    port, got, t = udp_receiver(socket.AF_INET6, "::1")
+    r = run([*WIRETRACE, "replay", str(REAL / "scapy_roce_test_vectors.pcap"), "--udp", f"[::1]:{port}"])
+    t.join()
+    assert r.returncode == 0, r.stderr
+    # frame 1: UC SEND ONLY, BTH(12) + 18 B payload + 2 pad + ICRC 78 f3 53 f3 = 36 B (UDP length 44)
+    # frame 2: CNP, BTH(12) + 16 zero bytes + ICRC 82 fd 00 2a
+    assert [len(g) for _, g in got] == [36, 32]
+    assert got[0][1].endswith(bytes.fromhex("78f353f3"))
+    assert got[1][1][0] == 0x81 and got[1][1].endswith(bytes.fromhex("82fd002a"))
+
+
+def test_option_errors(capture):
+    path, _ = capture
+    for args, msg in (([], "replay needs exactly one target"),
+                      (["--udp", "localhost"], "expected HOST:PORT"),
+                      (["--udp", "127.0.0.1:70000"], "port 70000 is not in 1..65535"),
+                      (["--udp", "127.0.0.1:9", "--pps", "10", "--topspeed"], "choose one of --pps, --mbps and --topspeed"),
+                      (["--udp", "127.0.0.1:9", "--loop", "0"], "--loop 0: must be at least 1"),
+                      (["--udp", "127.0.0.1:9", "--engine", "tcpreplay"], "sends on interfaces only")):
+        r = run([*WIRETRACE, "replay", str(path), *args])
+        assert r.returncode == 2, (args, r.stderr)
+        assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
