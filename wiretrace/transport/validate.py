@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io.capture import Capture, FrameBatch
+from ..io.capture import DEFAULT_MAX_FRAMES, Capture, FrameBatch
 from . import headers as H
 from . import icrc as C
 from .parse import (KIND_IB, KIND_IB_GRH, KIND_ROCE_V4, KIND_ROCE_V6, ParseStats, format_address,
@@ -547,6 +547,10 @@ class _StreamChecker:
         self._compare_dma(w, upto, seg_dma, pad, frame, qp, "RDMA WRITE")
 
         # READ responses of one request: consecutive PSNs, bytes against the request's RETH
+        # (requests are registered first: in a batch they precede their responses)
+        for i in np.nonzero((fam == FAM_READ_REQ) & (dma >= 0))[0]:
+            self.reads[(ep_src[i].tobytes(), ep_dst[i].tobytes(), int(psn[i]))] = (
+                int(dma[i]), int(frame[i]))
         rr = fam == FAM_READ_RESP
         if rr.any():
             pr_psn = prev(psn, "last_psn")
@@ -564,9 +568,6 @@ class _StreamChecker:
                 rep.checked["reth_length"] += 1
                 self._compare_dma(np.array([i]), upto, np.full(n, hit[0]), pad, frame, qp,
                                   "RDMA READ")
-        for i in np.nonzero((fam == FAM_READ_REQ) & (dma >= 0))[0]:
-            self.reads[(ep_src[i].tobytes(), ep_dst[i].tobytes(), int(psn[i]))] = (
-                int(dma[i]), int(frame[i]))
         if len(self.reads) > 1_000_000:  # unanswered READs of a huge capture: keep the newest
             for k in list(self.reads)[:len(self.reads) // 2]:
                 del self.reads[k]
@@ -665,13 +666,15 @@ class _StreamChecker:
 # Entry point
 # ----------------------------------------------------------------------------------------------
 
-def validate_capture(path: str | Path, max_violations: int = 1000) -> Report:
+def validate_capture(path: str | Path, max_violations: int = 1000,
+                     batch_frames: int = DEFAULT_MAX_FRAMES) -> Report:
     """Check every RoCEv2 / InfiniBand frame of a capture; see the module docstring.
 
     Parameters
     ----------
     path : pcap, pcapng or ERF file.
     max_violations : most violations kept with their messages (all are counted).
+    batch_frames : frames read and checked per batch (memory bound; results do not depend on it).
 
     Returns
     -------
@@ -688,7 +691,7 @@ def validate_capture(path: str | Path, max_violations: int = 1000) -> Report:
     streams = _StreamChecker(rep)
     with Capture(path) as cap:
         rep.format = cap.format
-        for batch in cap.batches():
+        for batch in cap.batches(max_frames=batch_frames):
             cols = parse_frames(batch)
             stats.add(len(batch), cols)
             if len(cols["row"]):

@@ -1,0 +1,508 @@
+"""The validator and the frame parser against independent oracles.
+
+Good frames are built with scapy (``scapy.contrib.roce`` computes the ICRC), native IB frames from
+the IBTA layout with ``zlib`` and a bitwise CRC-16 written here; bad captures are made by editing
+bytes of good frames (then, where only one check must fire, letting scapy recompute the ICRC).
+tshark is the reference for the parsed fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import dpkt
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from scapy.contrib.roce import BTH
+from scapy.layers.inet import IP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import Dot1Q, Ether
+from scapy.packet import Raw, raw
+
+from wiretrace.cli import main
+from wiretrace.transport.parse import format_address, read_packets
+from wiretrace.transport.validate import CHECKS, validate_capture
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "real" / "roce_packets"
+
+A, B = "10.0.0.1", "10.0.0.2"
+A6, B6 = "fd00::1", "fd00::2"
+QP_A, QP_B, QP_UC, QP_6 = 0x000011, 0x000022, 0x000033, 0x000044
+PMTU = 1024
+TOS_DATA = (26 << 2) | 2   # DSCP 26, ECT(0)
+TOS_CNP = (48 << 2) | 2    # DSCP 48, ECT(0)
+
+
+def tshark() -> str:
+    path = shutil.which("tshark")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("tshark is required when CI is set")
+        pytest.skip("tshark not installed")
+    return path
+
+
+# -- frames -----------------------------------------------------------------------------------
+
+def rocev2(opcode, psn, dqpn, payload=b"", ext=b"", ackreq=0, pad=None, src=A, dst=B,
+           sport=49200, tos=TOS_DATA, becn=0, vlan=None) -> bytes:
+    """A RoCEv2 frame built by scapy (IPv4, or IPv6 for ':' addresses), ICRC by scapy."""
+    pad = (-len(payload) & 3) if pad is None else pad
+    l2 = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:00:02")
+    if vlan is not None:
+        l2 = l2 / Dot1Q(vlan=vlan, prio=3)
+    if ":" in src:
+        l3 = IPv6(src=src, dst=dst, tc=tos, fl=0, hlim=64)
+    else:
+        l3 = IP(src=src, dst=dst, tos=tos, flags="DF", ttl=64, id=0)
+    bth = BTH(opcode=opcode, padcount=pad, migreq=1, dqpn=dqpn, psn=psn, ackreq=ackreq, becn=becn)
+    return raw(l2 / l3 / UDP(sport=sport, dport=4791, chksum=0) / bth / Raw(ext + payload + bytes(pad)))
+
+
+def reth(dma_len, va=0x7F0000001000, rkey=0x1234) -> bytes:
+    return struct.pack(">QII", va, rkey, dma_len)
+
+
+def aeth(msn, syndrome=0x1F) -> bytes:
+    return struct.pack(">I", (syndrome << 24) | msn)
+
+
+def data(n, seed=0) -> bytes:
+    return bytes((seed + 7 * i) & 0xFF for i in range(n))
+
+
+def good_frames() -> list[bytes]:
+    """A conversation between A (QP 0x11) and B (QP 0x22), PSNs wrapping at 2^24, PMTU 1024."""
+    f = []
+    # RDMA WRITE of 2500 bytes: FIRST, MIDDLE, LAST WITH IMMEDIATE (PSN 0xfffffe, 0xffffff, 0)
+    f.append(rocev2(0x06, 0xFFFFFE, QP_B, data(1024), reth(2500)))
+    f.append(rocev2(0x07, 0xFFFFFF, QP_B, data(1024, 1)))
+    f.append(rocev2(0x09, 0x000000, QP_B, data(452, 2), struct.pack(">I", 0xCAFE), ackreq=1))
+    f.append(rocev2(0x11, 0, QP_A, ext=aeth(1), src=B, dst=A))                  # ACK, MSN 1
+    f.append(rocev2(0x04, 1, QP_B, data(18, 3), ackreq=1))                      # SEND ONLY + pad 2
+    f.append(rocev2(0x11, 1, QP_A, ext=aeth(2), src=B, dst=A))
+    f.append(rocev2(0x0C, 2, QP_B, ext=reth(2100)))                             # READ: PSNs 2..4
+    f.append(rocev2(0x0D, 2, QP_A, data(1024, 4), aeth(2), src=B, dst=A))
+    f.append(rocev2(0x0E, 3, QP_A, data(1024, 5), src=B, dst=A))
+    f.append(rocev2(0x0F, 4, QP_A, data(52, 6), aeth(3), src=B, dst=A))
+    f.append(rocev2(0x0A, 5, QP_B, data(61, 7), reth(61), ackreq=1))            # WRITE ONLY, pad 3
+    f.append(rocev2(0x11, 5, QP_A, ext=aeth(4), src=B, dst=A))
+    f.append(rocev2(0x81, 0, QP_A, ext=bytes(16), src=B, dst=A, sport=0, tos=TOS_CNP, becn=1))
+    f.append(rocev2(0x24, 100, QP_UC, data(7, 8), src=B, dst=A))               # UC SEND ONLY
+    f.append(rocev2(0x24, 101, QP_UC, data(8, 9), src=B, dst=A))
+    f.append(rocev2(0x04, 10, QP_6, data(30, 10), src=A6, dst=B6, vlan=100))   # IPv6 + VLAN
+    f.append(rocev2(0x00, 11, QP_6, data(1024, 11), src=A6, dst=B6, vlan=100))
+    f.append(rocev2(0x02, 12, QP_6, data(3, 12), src=A6, dst=B6, vlan=100))
+    return f
+
+
+# Expected packets-table fields of good_frames(), written from the construction above.
+GOOD_FIELDS = {
+    "opcode": [0x06, 0x07, 0x09, 0x11, 0x04, 0x11, 0x0C, 0x0D, 0x0E, 0x0F, 0x0A, 0x11, 0x81,
+               0x24, 0x24, 0x04, 0x00, 0x02],
+    "psn": [0xFFFFFE, 0xFFFFFF, 0, 0, 1, 1, 2, 2, 3, 4, 5, 5, 0, 100, 101, 10, 11, 12],
+    "payload_len": [1024, 1024, 452, 0, 18, 0, 0, 1024, 1024, 52, 61, 0, 0, 7, 8, 30, 1024, 3],
+    "pad": [0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 3, 0, 0, 1, 0, 2, 0, 1],
+    "dma_len": [2500, -1, -1, -1, -1, -1, 2100, -1, -1, -1, 61, -1, -1, -1, -1, -1, -1, -1],
+    "msn": [-1, -1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 4, -1, -1, -1, -1, -1, -1],
+}
+
+
+def write_pcap(path: Path, frames, snaplen=65535, cut=None) -> Path:
+    with open(path, "wb") as fh:
+        w = dpkt.pcap.Writer(fh, snaplen=snaplen, nano=True)
+        for i, fr in enumerate(frames):
+            ts = 1_700_000_000 + i * 1e-6
+            if cut is not None and len(fr) > cut:
+                # dpkt writes caplen = len(data); fix the original length afterwards
+                w.writepkt(fr[:cut], ts=ts)
+            else:
+                w.writepkt(fr, ts=ts)
+    if cut is not None:
+        buf = bytearray(path.read_bytes())
+        pos = 24
+        for fr in frames:
+            caplen = struct.unpack_from("<I", buf, pos + 8)[0]
+            struct.pack_into("<I", buf, pos + 12, len(fr))
+            pos += 16 + caplen
+        path.write_bytes(bytes(buf))
+    return path
+
+
+def refix_icrc(frame: bytes) -> bytes:
+    """Let scapy recompute the ICRC of an edited frame (IP checksum left as it is)."""
+    p = Ether(frame)
+    p[BTH].icrc = None
+    return raw(p)
+
+
+def edit(frame: bytes, offset: int, value: bytes, fix_icrc=True) -> bytes:
+    b = bytearray(frame)
+    b[offset:offset + len(value)] = value
+    return refix_icrc(bytes(b)) if fix_icrc else bytes(b)
+
+
+def run_cli(*args):
+    return CliRunner().invoke(main, ["validate", *map(str, args)])
+
+
+def only(report, check, n=1):
+    """The report has exactly ``n`` violations, all of ``check``."""
+    assert report.counts[check] == n, report.as_dict()
+    assert report.total_violations == n, report.as_dict()
+    return [v for v in report.violations if v.check == check]
+
+
+BTH_AT = 14 + 20 + 8  # IPv4 frames without VLAN
+
+
+# -- the good captures ------------------------------------------------------------------------
+
+def test_real_frames_pass(tmp_path):
+    rep = validate_capture(REAL / "scapy_roce_test_vectors.pcap")
+    assert rep.ok and rep.frames == 2 and rep.roce_frames == 2
+    assert rep.checked["icrc"] == 2 and rep.checked["ipv4_checksum"] == 2
+    res = run_cli(REAL / "scapy_roce_test_vectors.pcap", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["frames"] == 2 and doc["roce_frames"] == 2 and doc["violations"] == []
+    assert set(doc["counts"]) == set(CHECKS)
+
+
+def test_real_frames_parsed_fields():
+    c = read_packets(REAL / "scapy_roce_test_vectors.pcap")
+    # frame 1: UC SEND ONLY, 18 B + 2 pad, dest QP 211, PSN 13571856; frame 2: CNP, BECN, QP 0x118
+    assert c["opcode"].tolist() == [0x24, 0x81]
+    assert c["payload_len"].tolist() == [18, 0] and c["pad"].tolist() == [2, 0]
+    assert c["dest_qp"].tolist() == [211, 0x118] and c["psn"].tolist() == [13571856, 0]
+    assert c["becn"].tolist() == [False, True] and c["udp_sport"].tolist() == [49152, 0]
+    assert c["dscp"].tolist() == [0, 48] and c["ecn"].tolist() == [1, 2]
+    assert c["frame_len"].tolist() == [78, 74]
+    assert [format_address(a) for a in c["src_addr"]] == ["192.168.0.7", "10.0.17.1"]
+
+
+def test_good_conversation_is_clean(tmp_path):
+    path = write_pcap(tmp_path / "good.pcap", good_frames())
+    rep = validate_capture(path)
+    assert rep.ok, rep.as_dict()
+    assert rep.frames == 18 and rep.roce_frames == 18
+    assert rep.checked["icrc"] == 18
+    assert rep.checked["reth_length"] == 3   # WRITE of 2500, READ of 2100, WRITE ONLY of 61
+    assert rep.checked["ack_msn"] == 5
+    res = run_cli(path)
+    assert res.exit_code == 0 and "clean" in res.output
+
+
+def test_parsed_fields_of_good_frames(tmp_path):
+    frames = good_frames()
+    path = write_pcap(tmp_path / "good.pcap", frames)
+    c = read_packets(path)
+    for name, want in GOOD_FIELDS.items():
+        assert c[name].tolist() == want, name
+    assert c["frame_len"].tolist() == [len(f) for f in frames]
+    assert c["vlan"].tolist() == [-1] * 15 + [100] * 3
+    assert c["dscp"].tolist() == [26] * 12 + [48] + [26] * 5
+
+
+def test_parsed_fields_equal_tshark(tmp_path):
+    path = write_pcap(tmp_path / "good.pcap", good_frames())
+    fields = ["frame.number", "infiniband.bth.opcode", "infiniband.bth.psn",
+              "infiniband.bth.destqp", "infiniband.bth.padcnt", "infiniband.bth.a",
+              "infiniband.reth.dmalen", "infiniband.aeth.msn", "udp.srcport", "frame.len",
+              "ip.dsfield.dscp", "ipv6.tclass.dscp", "ip.dsfield.ecn", "ipv6.tclass.ecn"]
+    cmd = [tshark(), "-r", str(path), "-T", "fields", "-E", "separator=|"]
+    for f in fields:
+        cmd += ["-e", f]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+    rows = [line.split("|") for line in out]
+    c = read_packets(path)
+    assert len(rows) == len(c["frame"])
+
+    def num(s):
+        return -1 if s == "" else int(s, 0)
+
+    col = {f: [r[i] for r in rows] for i, f in enumerate(fields)}
+    assert [num(x) for x in col["frame.number"]] == c["frame"].tolist()
+    assert [num(x) for x in col["infiniband.bth.opcode"]] == c["opcode"].tolist()
+    assert [num(x) for x in col["infiniband.bth.psn"]] == c["psn"].tolist()
+    assert [num(x) for x in col["infiniband.bth.destqp"]] == c["dest_qp"].tolist()
+    assert [num(x) for x in col["infiniband.bth.padcnt"]] == c["pad"].tolist()
+    assert [x in ("1", "True") for x in col["infiniband.bth.a"]] == c["ack_req"].tolist()
+    assert [num(x) for x in col["infiniband.reth.dmalen"]] == c["dma_len"].tolist()
+    assert [num(x) for x in col["infiniband.aeth.msn"]] == c["msn"].tolist()
+    assert [num(x) for x in col["udp.srcport"]] == c["udp_sport"].tolist()
+    assert [num(x) for x in col["frame.len"]] == c["frame_len"].tolist()
+    dscp = [num(a if a else b) for a, b in zip(col["ip.dsfield.dscp"], col["ipv6.tclass.dscp"])]
+    ecn = [num(a if a else b) for a, b in zip(col["ip.dsfield.ecn"], col["ipv6.tclass.ecn"])]
+    assert dscp == c["dscp"].tolist() and ecn == c["ecn"].tolist()
+
+
+# -- one fault at a time ----------------------------------------------------------------------
+
+def test_flipped_icrc_byte(tmp_path):
+    frames = good_frames()
+    frames[4] = frames[4][:-2] + bytes([frames[4][-2] ^ 0x01]) + frames[4][-1:]
+    rep = validate_capture(write_pcap(tmp_path / "icrc.pcap", frames))
+    (v,) = only(rep, "icrc")
+    assert v.frame == 5 and v.qp == QP_B
+    assert v.message.startswith("ICRC ") and "expected" in v.message
+    res = run_cli(tmp_path / "icrc.pcap")
+    assert res.exit_code == 1 and "icrc" in res.output
+
+
+def test_psn_gap(tmp_path):
+    frames = good_frames()
+    # SEND ONLY (frame 5) at PSN 1 -> 4: expected 1, 3 PSNs missing; the next request (READ
+    # at PSN 2) then goes back from 5
+    frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    rep = validate_capture(write_pcap(tmp_path / "psn.pcap", frames))
+    v = only(rep, "psn", 2)
+    assert (v[0].frame, v[0].qp) == (5, QP_B)
+    assert v[0].message == "PSN gap: expected 1, got 4 (3 PSN(s) missing)"
+    assert v[1].frame == 7 and "goes back" in v[1].message
+    res = run_cli(tmp_path / "psn.pcap", "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.output)
+    assert doc["counts"]["psn"] == 2
+    assert doc["violations"][0] == {"frame": 5, "qp": QP_B, "check": "psn",
+                                    "message": "PSN gap: expected 1, got 4 (3 PSN(s) missing)"}
+
+
+def test_psn_gap_after_read_request(tmp_path):
+    frames = good_frames()
+    # the READ of 2100 bytes at PSN 2 consumes 3 PSNs (1024-byte MTU); the WRITE ONLY after it
+    # is at 5. Moving it to 3 (as if the READ consumed one PSN) is a violation.
+    frames[10] = edit(frames[10], BTH_AT + 8, struct.pack(">I", 3))
+    rep = validate_capture(write_pcap(tmp_path / "rd.pcap", frames))
+    (v,) = only(rep, "psn")
+    assert v.frame == 11
+    assert v.message == "PSN 3 goes back 2 from expected 5 (retransmission or reordering)"
+
+
+def test_wrong_pad_count(tmp_path):
+    frames = good_frames()
+    # WRITE ONLY of 61 bytes carries pad 3; claim pad 2 (payload then looks like 62 bytes)
+    b4 = bytes([(frames[10][BTH_AT + 1] & ~0x30) | (2 << 4)])
+    frames[10] = edit(frames[10], BTH_AT + 1, b4)
+    rep = validate_capture(write_pcap(tmp_path / "pad.pcap", frames))
+    (v,) = only(rep, "pad")
+    assert v.frame == 11
+    assert v.message == "pad count 2 on the last packet of a RDMA WRITE of 61 bytes, expected 3"
+    assert run_cli(tmp_path / "pad.pcap").exit_code == 1
+
+
+def test_pad_on_first_packet(tmp_path):
+    frames = good_frames()
+    frames[0] = edit(frames[0], BTH_AT + 1, bytes([frames[0][BTH_AT + 1] | 0x30]))
+    rep = validate_capture(write_pcap(tmp_path / "pad1.pcap", frames))
+    assert rep.counts["pad"] >= 1
+    msgs = [v.message for v in rep.violations if v.check == "pad" and v.frame == 1]
+    assert "pad count 3 on RC_RDMA_WRITE_FIRST, expected 0" in msgs
+
+
+def test_reth_length_mismatch(tmp_path):
+    frames = good_frames()
+    # WRITE ONLY: RETH DMA length 61 -> 100 (RETH follows the BTH; DMA length is its last word)
+    frames[10] = edit(frames[10], BTH_AT + 12 + 12, struct.pack(">I", 100))
+    rep = validate_capture(write_pcap(tmp_path / "reth.pcap", frames))
+    (v,) = only(rep, "reth_length")
+    assert v.frame == 11 and v.qp == QP_B
+    assert v.message == "RETH DMA length 100 but the RDMA WRITE carries 61 bytes"
+
+
+def test_reth_length_of_multi_packet_write_and_read(tmp_path):
+    frames = good_frames()
+    frames[0] = edit(frames[0], BTH_AT + 12 + 12, struct.pack(">I", 2600))   # WRITE FIRST
+    # READ request: 2049 bytes still take 3 responses of 1024, so only the length is wrong
+    frames[6] = edit(frames[6], BTH_AT + 12 + 12, struct.pack(">I", 2049))
+    rep = validate_capture(write_pcap(tmp_path / "reth2.pcap", frames))
+    v = only(rep, "reth_length", 2)
+    assert [x.frame for x in v] == [3, 10]
+    assert v[0].message == "RETH DMA length 2600 but the RDMA WRITE carries 2500 bytes"
+    assert v[1].message == "RETH DMA length 2049 but the RDMA READ carries 2100 bytes"
+
+
+def test_ipv4_checksum(tmp_path):
+    frames = good_frames()
+    frames[2] = edit(frames[2], 14 + 8, b"\x3f", fix_icrc=False)  # TTL is masked out of the ICRC
+    rep = validate_capture(write_pcap(tmp_path / "ip.pcap", frames))
+    (v,) = only(rep, "ipv4_checksum")
+    assert v.frame == 3 and v.message.startswith("IPv4 header checksum")
+
+
+def test_opcode_sequence(tmp_path):
+    frames = good_frames()
+    frames[1] = edit(frames[1], BTH_AT, b"\x01")  # RDMA WRITE MIDDLE -> SEND MIDDLE
+    rep = validate_capture(write_pcap(tmp_path / "seq.pcap", frames))
+    v = only(rep, "opcode_sequence", 2)
+    assert (v[0].frame, v[0].message) == (2, "RC_SEND_MIDDLE continues a RDMA WRITE message")
+    assert (v[1].frame, v[1].message) == (
+        3, "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE continues a SEND message")
+
+
+def test_msn_going_back(tmp_path):
+    frames = good_frames()
+    frames[11] = edit(frames[11], BTH_AT + 12, aeth(1))  # last ACK: MSN 4 -> 1
+    rep = validate_capture(write_pcap(tmp_path / "msn.pcap", frames))
+    (v,) = only(rep, "ack_msn")
+    assert v.frame == 12 and v.qp == QP_A and v.message == "MSN 1 goes back from 3"
+
+
+def test_truncated_file(tmp_path):
+    path = write_pcap(tmp_path / "cut.pcap", good_frames())
+    path.write_bytes(path.read_bytes()[:-10])
+    rep = validate_capture(path)
+    (v,) = only(rep, "capture")
+    assert v.frame == 18 and v.message.startswith("capture truncated: record of frame 18")
+    assert rep.frames == 17
+    res = run_cli(path)
+    assert res.exit_code == 1 and "capture truncated" in res.output
+
+
+def test_unreadable_file_exit_2(tmp_path):
+    bad = tmp_path / "notes.pcap"
+    bad.write_text("not a capture\n")
+    res = run_cli(bad)
+    assert res.exit_code == 2
+    assert res.output.startswith("error: ") and "not a capture" in res.output
+    assert run_cli(tmp_path / "missing.pcap").exit_code == 2
+
+
+def test_snaplen_truncated_frames_checked_as_far_as_they_go(tmp_path):
+    frames = good_frames()
+    path = write_pcap(tmp_path / "snap.pcap", frames, snaplen=80, cut=80)
+    rep = validate_capture(path)
+    assert rep.ok, rep.as_dict()
+    assert rep.truncated == sum(len(f) > 80 for f in frames)
+    assert rep.checked["icrc"] == sum(len(f) <= 80 for f in frames)
+    c = read_packets(path)
+    assert c["payload_len"].tolist() == GOOD_FIELDS["payload_len"]  # from the length fields
+    assert c["frame_len"].tolist() == [len(f) for f in frames]
+    # a PSN gap is still found in headers-only frames
+    frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    rep = validate_capture(write_pcap(tmp_path / "snap2.pcap", frames, snaplen=80, cut=80))
+    assert rep.counts["psn"] == 2 and rep.total_violations == 2
+
+
+def test_non_roce_frames_are_counted_and_skipped(tmp_path):
+    arp = bytes.fromhex("ffffffffffff020000000001 0806".replace(" ", "")) + bytes(46)
+    dns = raw(Ether() / IP(src=A, dst=B) / UDP(sport=5353, dport=53) / Raw(b"q" * 20))
+    frames = good_frames()[:3] + [arp, dns]
+    rep = validate_capture(write_pcap(tmp_path / "mixed.pcap", frames))
+    assert rep.ok and rep.frames == 5 and rep.roce_frames == 3 and rep.non_roce_frames == 2
+
+
+@pytest.mark.parametrize("fault", ["none", "psn", "reth", "pad"])
+def test_batches_carry_stream_state(tmp_path, fault):
+    # the same findings over batches of 1, 2, 3 and 5 frames: messages, READs and PSNs span
+    # batch boundaries
+    frames = good_frames()
+    if fault == "psn":
+        frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    elif fault == "reth":
+        frames[0] = edit(frames[0], BTH_AT + 12 + 12, struct.pack(">I", 2600))
+    elif fault == "pad":
+        frames[2] = edit(frames[2], BTH_AT + 1, bytes([frames[2][BTH_AT + 1] | 0x10]))
+    path = write_pcap(tmp_path / "b.pcap", frames)
+    whole = validate_capture(path).as_dict()
+    assert whole["ok"] == (fault == "none")
+    for k in (1, 2, 3, 5):
+        small = validate_capture(path, batch_frames=k).as_dict()
+        assert small["counts"] == whole["counts"], k
+        assert small["violations"] == whole["violations"], k
+        assert small["checked"] == whole["checked"], k
+
+
+# -- native InfiniBand in ERF -----------------------------------------------------------------
+
+def crc16_vcrc(data: bytes) -> int:
+    """IB VCRC, bit by bit: polynomial 0x100B (reflected 0xD008), init 0xFFFF, complemented."""
+    c = 0xFFFF
+    for byte in data:
+        c ^= byte
+        for _ in range(8):
+            c = (c >> 1) ^ 0xD008 if c & 1 else c >> 1
+    return c ^ 0xFFFF
+
+
+def ib_frame(opcode, psn, dqpn, payload=b"", ext=b"", dlid=3, slid=7, vl=0, sl=2) -> bytes:
+    """LRH (LNH 2) + BTH + ext + payload + pad + ICRC + VCRC, from the IBTA layout."""
+    pad = -len(payload) & 3
+    body = struct.pack(">BBHI", opcode, 0x40 | (pad << 4), 0xFFFF, dqpn)
+    body += struct.pack(">I", psn) + ext + payload + bytes(pad)
+    words = (8 + len(body) + 4) // 4
+    lrh = struct.pack(">BBHHH", (vl << 4), (sl << 4) | 2, dlid, words, slid)
+    masked = bytearray(lrh + body)
+    masked[0] |= 0xF0          # VL
+    masked[8 + 4] = 0xFF       # BTH FECN, BECN, reserved
+    icrc = zlib.crc32(bytes(masked)) & 0xFFFFFFFF
+    pkt = lrh + body + struct.pack("<I", icrc)
+    return pkt + struct.pack("<H", crc16_vcrc(pkt))
+
+
+def erf_file(path: Path, frames) -> Path:
+    out = []
+    for i, fr in enumerate(frames):
+        body = fr + bytes(-(16 + len(fr)) % 8)
+        ts = ((1_700_000_000 + i) << 32)
+        out.append(struct.pack("<Q", ts) + struct.pack(">BBHHH", 21, 0x04, 16 + len(body), 0,
+                                                        len(fr)) + body)
+    path.write_bytes(b"".join(out))
+    return path
+
+
+def ib_frames() -> list[bytes]:
+    return [ib_frame(0x06, 10, 0x99, data(256), reth(300)),
+            ib_frame(0x08, 11, 0x99, data(44, 1)),
+            ib_frame(0x04, 12, 0x99, data(5, 2)),
+            ib_frame(0x11, 12, 0x55, ext=aeth(2), dlid=7, slid=3)]
+
+
+def test_native_ib_erf_clean_and_fields(tmp_path):
+    path = erf_file(tmp_path / "ib.erf", ib_frames())
+    rep = validate_capture(path)
+    assert rep.ok, rep.as_dict()
+    assert rep.checked["icrc"] == 4 and rep.checked["vcrc"] == 4 and rep.checked["reth_length"] == 1
+    c = read_packets(path)
+    assert c["opcode"].tolist() == [0x06, 0x08, 0x04, 0x11]
+    assert c["payload_len"].tolist() == [256, 44, 5, 0] and c["pad"].tolist() == [0, 0, 3, 0]
+    assert c["udp_sport"].tolist() == [-1] * 4 and c["dscp"].tolist() == [0] * 4
+    assert c["frame_len"].tolist() == [len(f) for f in ib_frames()]
+    cmd = [tshark(), "-r", str(path), "-T", "fields", "-E", "separator=|", "-e", "infiniband.lrh.dlid",
+           "-e", "infiniband.lrh.slid", "-e", "infiniband.lrh.pktlen", "-e", "infiniband.bth.opcode",
+           "-e", "infiniband.bth.psn", "-e", "infiniband.bth.destqp", "-e", "infiniband.reth.dmalen"]
+    rows = [r.split("|") for r in subprocess.run(cmd, capture_output=True, text=True,
+                                                 check=True).stdout.splitlines()]
+    assert [int(r[0]) for r in rows] == c["dlid"].tolist()
+    assert [int(r[1]) for r in rows] == c["slid"].tolist()
+    assert [int(r[2]) for r in rows] == c["lrh_pktlen"].tolist()
+    assert [int(r[3]) for r in rows] == c["opcode"].tolist()
+    assert [int(r[4]) for r in rows] == c["psn"].tolist()
+    assert [int(r[5], 0) for r in rows] == c["dest_qp"].tolist()
+    assert [int(r[6]) if r[6] else -1 for r in rows] == c["dma_len"].tolist()
+
+
+def test_native_ib_vcrc_and_icrc_faults(tmp_path):
+    frames = ib_frames()
+    frames[1] = frames[1][:-1] + bytes([frames[1][-1] ^ 0x80])        # VCRC
+    rep = validate_capture(erf_file(tmp_path / "v.erf", frames))
+    (v,) = only(rep, "vcrc")
+    assert v.frame == 2 and v.message.startswith("VCRC ")
+    frames = ib_frames()
+    f = bytearray(frames[2])
+    f[-6] ^= 0x01                                                      # ICRC (VCRC then wrong too)
+    frames[2] = bytes(f)
+    rep = validate_capture(erf_file(tmp_path / "i.erf", frames))
+    assert rep.counts["icrc"] == 1 and rep.counts["vcrc"] == 1 and rep.total_violations == 2
+    # changing the VL is invisible to the ICRC, not to the VCRC
+    frames = ib_frames()
+    frames[0] = bytes([frames[0][0] | 0x30]) + frames[0][1:]
+    rep = validate_capture(erf_file(tmp_path / "vl.erf", frames))
+    only(rep, "vcrc")
