@@ -132,6 +132,9 @@ def algorithm_names(coll: pa.Table, topo: Topology, plan: Plan) -> np.ndarray:
             raise WiretraceError(f"collectives row {i}: algorithm {a!r} is not one of "
                                  f"{', '.join(ALGORITHMS + ('auto',))}")
         r = rvals[roff[i]:roff[i + 1]]
+        if len(r) and (r.min() < 0 or r.max() >= topo.world_size):
+            raise WiretraceError(f"collectives row {i}: rank {int(r.max()) if r.max() >= topo.world_size else int(r.min())} "
+                                 f"outside the cluster's {topo.world_size} ranks")
         key = (op, a, int(bpr[i]), r.tobytes())
         if key in memo:
             out[i] = memo[key]
