@@ -188,7 +188,7 @@ def read(paths: list[Path]) -> Partial:
                 hosts.add(m.group(4))
                 continue
             mv = _VERSION.search(line)
-            if mv and "NCCL INFO" not in line.split(mv.group(0))[0][-40:]:
+            if mv:
                 versions.append(f"{mv.group(1)} {mv.group(2)}" if mv.group(1) == "RCCL" else mv.group(2))
             p = _PREFIX.search(line)
             if not p:
@@ -199,7 +199,6 @@ def read(paths: list[Path]) -> Partial:
             hosts.add(host)
             msg = p.group("msg").strip()
             if mv:
-                versions.append(f"{mv.group(1)} {mv.group(2)}" if mv.group(1) == "RCCL" else mv.group(2))
                 continue
             ma = _ALGO.search(msg)
             if ma:
@@ -209,6 +208,10 @@ def read(paths: list[Path]) -> Partial:
                 rec = _parse_coll(c, fname, fidx, lno, host, pid, dev, out.skipped)
                 if rec is not None:
                     recs.append(rec)
+                continue
+            if " opCount " in msg:
+                out.skipped.append(Skip(fname, lno, "COLL line in no known layout (opCount is not hexadecimal, "
+                                                    "or the line is garbled)"))
                 continue
             mi = _INIT.search(msg)
             if mi:
