@@ -259,6 +259,34 @@ def schedule(plan_path, from_paths, more, fmt, output, messages, force, quiet):
 # ---------------------------------------------------------------------------------------------
 
 
+@main.command()
+@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path),
+              help="Training plan (JSON).")
+@click.option("--corpus", type=click.Path(path_type=Path),
+              help="Text file to tokenize (a BPE is trained on it at the model's vocabulary size).")
+@click.option("--tokenizer", type=click.Path(path_type=Path),
+              help="A Hugging Face tokenizer.json to use instead of training one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def explain(plan_path, corpus, tokenizer, as_json):
+    """The life of a token for this plan, from words to bits on the wire.
+
+    Six sections with the plan's numbers: text -> tokens (with --corpus), tokens -> vectors, one
+    transformer block (every tensor's shape and bytes), what each parallelism exchanges, what the
+    collective algorithms put on NVLink and on the network, and the iteration-time estimate.
+    """
+    import json
+
+    from . import plan as plan_mod
+    from .explain import explain as build_report, render
+
+    report = build_report(plan_mod.load(plan_path), corpus=corpus, tokenizer=tokenizer)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report)
+
+
 # ---------------------------------------------------------------------------------------------
 # validate (transport)
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +378,39 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
         click.echo(to_json(doc))
     else:
         print_text(doc, top_flows=top_flows)
+
+
+@main.command()
+@click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Directory for the figures (PNG and SVG of each).")
+@click.option("--html", "html_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Also write one self-contained HTML page with the figures and summary tables.")
+@click.option("--force", is_flag=True, help="Overwrite existing figures / page.")
+@_analysis_options
+@handle_errors
+def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, timescales):
+    """Draw figures of a capture or a wiretrace Parquet directory.
+
+    Throughput per NIC over time (phases shaded when known), node x node traffic matrix,
+    flow- and message-size CDFs and a burst raster, as PNG and SVG in DIR.
+    """
+    from .analysis import analyze
+    from .analysis.figures import write_all
+    from .analysis.report import html_page
+
+    if html_path is not None:
+        check_output_free(html_path, force)
+    s, inp = analyze(input_path, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
+    figs = write_all(s, out_dir, phase_spans=inp.phase_spans() if inp.phase_spans else None, force=force)
+    for _, png, svg in figs:
+        click.echo(f"wrote {png} and {svg.name}")
+    if html_path is not None:
+        doc = {"input": {"path": str(input_path), "kind": inp.kind, **inp.info}, **s.result()}
+        tmp = html_path.with_name(f".{html_path.name}.tmp")
+        tmp.write_text(html_page(doc, [(cap, png) for cap, png, _ in figs]), encoding="utf-8")
+        os.replace(tmp, html_path)
+        click.echo(f"wrote {html_path}")
 
 
 @main.command()

@@ -146,22 +146,32 @@ th, td {{ border: 1px solid #ccc; padding: 2px 8px; text-align: right; }}
 th {{ background: #f0f0f0; }} td:first-child {{ text-align: left; }}
 figure {{ margin: 1em 0; }} figure img {{ max-width: 100%; border: 1px solid #ddd; }}
 figcaption {{ font-size: 0.9em; color: #555; }}
-</style></head>
+</style>
+<script>
+// Counts script errors and images that fail to load on <html data-errors="N">.
+(function () {{
+  var n = 0, root = document.documentElement;
+  root.setAttribute("data-errors", "0");
+  window.addEventListener("error", function () {{ n += 1; root.setAttribute("data-errors", String(n)); }}, true);
+}})();
+</script>
+</head>
 <body data-figures="{nfig}">
 <h1>{title}</h1>
 <p>{subtitle}</p>
 {figures}
 {tables}
 <script>
-// Sets data-loaded="N/M" on <body> once every figure has decoded (naturalWidth > 0).
+// Sets data-loaded="N/M" on <html> (N figures decoded with naturalWidth > 0, of M), again
+// after the load event, so that a headless browser can check that every figure is shown.
 (function () {{
   var imgs = Array.prototype.slice.call(document.querySelectorAll("figure img"));
   function check() {{
     var ok = imgs.filter(function (i) {{ return i.complete && i.naturalWidth > 0; }}).length;
-    document.body.setAttribute("data-loaded", ok + "/" + imgs.length);
-    if (ok < imgs.length) {{ setTimeout(check, 20); }}
+    document.documentElement.setAttribute("data-loaded", ok + "/" + imgs.length);
   }}
   check();
+  window.addEventListener("load", check);
 }})();
 </script>
 </body></html>

@@ -1,0 +1,118 @@
+"""wiretrace plot: PNG and SVG figures, and the self-contained HTML page opened in headless Chromium."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from test_analysis import REAL, capture_file, parquet_dir  # noqa: F401  (fixtures)
+
+WIRETRACE = [sys.executable, "-m", "wiretrace.cli"]
+FIGURES = ("throughput", "matrix", "sizes", "bursts")
+
+
+def cli(*args):
+    return subprocess.run([*WIRETRACE, *args], capture_output=True, text=True, timeout=300)
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI"):
+        pytest.fail("chromium is required in CI (.ci/run installs it)")
+    pytest.skip("chromium not installed")
+
+
+def open_in_chromium(page: Path, tmp_path: Path) -> str:
+    """The DOM of ``page`` after load, as headless Chromium serializes it."""
+    profile = tmp_path / "chromium-profile"
+    r = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom",
+                        page.resolve().as_uri()], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def plotted(parquet_dir, tmp_path_factory):  # noqa: F811
+    d, _, _ = parquet_dir
+    out = tmp_path_factory.mktemp("fig")
+    r = cli("plot", str(d), "-o", str(out / "figs"), "--html", str(out / "report.html"), "--line-rate", "100Gbps")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_figures_exist_as_png_and_svg(plotted):
+    for name in FIGURES:
+        w, h = png_size(plotted / "figs" / f"{name}.png")
+        assert w >= 400 and h >= 200
+        root = ET.parse(plotted / "figs" / f"{name}.svg").getroot()
+        assert root.tag.endswith("svg")
+    assert not list((plotted / "figs").glob(".*tmp"))
+
+
+def test_html_is_self_contained(plotted):
+    page = (plotted / "report.html").read_text()
+    srcs = re.findall(r'src="([^"]*)"', page)
+    assert len(srcs) == 4 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert "http://" not in page and "https://" not in page
+    for title in ("Totals", "Traffic by nic", "Flows", "Burstiness", "On/off periods", "Traffic matrix", "Opcodes"):
+        assert f"<h2>{title}" in page
+
+
+def test_html_loads_in_chromium_and_shows_every_figure(plotted, tmp_path):
+    dom = open_in_chromium(plotted / "report.html", tmp_path)
+    assert 'data-loaded="4/4"' in dom
+    assert 'data-errors="0"' in dom
+    assert dom.count("<figure>") == 4
+
+
+def test_chromium_check_detects_a_broken_figure(plotted, tmp_path):
+    """The marker is not a formality: a figure whose image does not decode is caught."""
+    page = (plotted / "report.html").read_text()
+    broken = re.sub(r'src="data:image/png;base64,[^"]{40}', 'src="data:image/png;base64,AAAA', page, count=1)
+    bad = tmp_path / "broken.html"
+    bad.write_text(broken)
+    dom = open_in_chromium(bad, tmp_path)
+    assert 'data-loaded="3/4"' in dom
+    assert 'data-errors="1"' in dom
+
+
+def test_plot_refuses_to_overwrite_without_force(plotted, parquet_dir):  # noqa: F811
+    d, _, _ = parquet_dir
+    r = cli("plot", str(d), "-o", str(plotted / "figs"))
+    assert r.returncode == 2 and "exists; pass --force to overwrite it" in r.stderr
+    r = cli("plot", str(d), "-o", str(plotted / "other"), "--html", str(plotted / "report.html"))
+    assert r.returncode == 2 and "report.html exists" in r.stderr
+    assert not (plotted / "other").exists()
+    r = cli("plot", str(d), "-o", str(plotted / "figs"), "--force")
+    assert r.returncode == 0, r.stderr
+
+
+def test_plot_of_captures(capture_file, tmp_path):  # noqa: F811
+    for src in (capture_file[0], REAL / "scapy_roce_test_vectors.pcap"):
+        out = tmp_path / src.stem
+        r = cli("plot", str(src), "-o", str(out), "--html", str(out / "r.html"))
+        assert r.returncode == 0, r.stderr
+        for name in FIGURES:
+            assert png_size(out / f"{name}.png")[0] > 0
+        dom = open_in_chromium(out / "r.html", tmp_path)
+        assert 'data-loaded="4/4"' in dom and 'data-errors="0"' in dom

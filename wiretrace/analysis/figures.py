@@ -1,0 +1,216 @@
+"""Figures of a summary (matplotlib, Agg backend): PNG and SVG of each.
+
+* ``throughput`` — bits on the wire over time per NIC (sent), Wireshark I/O-graph style, with
+  the forward / backward / optimizer phases shaded when the input knows them (Parquet);
+* ``matrix`` — node x node traffic matrix heatmap (bytes sent from row to column);
+* ``sizes`` — CDFs of flow sizes and message sizes;
+* ``bursts`` — burst raster: one row per NIC and direction, a bar per burst (on period).
+
+Each function takes the :class:`~wiretrace.analysis.summary.Summary` (and the input's phase spans)
+and returns a matplotlib Figure; :func:`write_all` saves them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .summary import Summary  # noqa: E402
+
+PHASE_COLORS = {"init": "#dddddd", "forward": "#cfe8ff", "backward": "#ffe0c2", "optimizer": "#d9f2d0"}
+MAX_SERIES = 16
+FIGURES = ("throughput", "matrix", "sizes", "bursts")
+CAPTIONS = {
+    "throughput": "Bits on the wire over time per NIC (sent), phases shaded when known",
+    "matrix": "Node x node traffic matrix (bytes sent from row to column)",
+    "sizes": "Flow-size and message-size CDFs",
+    "bursts": "Burst raster: on periods per NIC and direction",
+}
+
+
+def _time_unit(span_ns: float) -> tuple[str, float]:
+    for unit, div in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if span_ns >= 5 * div:
+            return unit, div
+    return "ns", 1.0
+
+
+def _rate_unit(peak_bps: float) -> tuple[str, float]:
+    for unit, div in (("Tb/s", 1e12), ("Gb/s", 1e9), ("Mb/s", 1e6), ("kb/s", 1e3)):
+        if peak_bps >= div:
+            return unit, div
+    return "b/s", 1.0
+
+
+def _top_keys(s: Summary, direction: int) -> list[int]:
+    """Keys (2*endpoint + direction) of the busiest NICs, at most MAX_SERIES."""
+    col = "tx_bytes" if direction == 0 else "rx_bytes"
+    b = s.ep[col]
+    order = [int(e) for e in np.argsort(-b, kind="stable") if b[e] > 0][:MAX_SERIES]
+    return sorted(2 * e + direction for e in order)
+
+
+def throughput(s: Summary, phase_spans=None) -> plt.Figure:
+    """Bits per second sent by each NIC in the timeline's bins (at most 16 NICs, the busiest)."""
+    fig, ax = plt.subplots(figsize=(11, 4.5), dpi=100)
+    tl = s.timeline
+    nb = tl.bins.shape[1]
+    span = (s.last_ns - s.first_ns) if s.last_ns is not None else 0
+    unit, div = _time_unit(max(span, 1))
+    used = int(min(nb, (span // tl.width) + 1)) if tl.origin is not None else 0
+    x = (np.arange(used) * tl.width) / div
+    keys = _top_keys(s, 0)
+    peak = max((tl.bins[k, :used].max() for k in keys if k < tl.bins.shape[0]), default=0)
+    runit, rdiv = _rate_unit(peak * 8e9 / tl.width if peak else 1)
+    for k in keys:
+        if k >= tl.bins.shape[0]:
+            continue
+        ax.step(x, tl.bins[k, :used] * 8e9 / tl.width / rdiv, where="post", lw=0.9,
+                label=s.endpoints.label[k // 2])
+    if phase_spans and tl.origin is not None:
+        seen = set()
+        for name, a, b in phase_spans:
+            ax.axvspan((a - tl.origin) / div, (b - tl.origin) / div, color=PHASE_COLORS.get(name, "#eeeeee"),
+                       alpha=0.6, lw=0, zorder=0, label=None if name in seen else f"phase: {name}")
+            seen.add(name)
+    if s.line_rate_bps:
+        ax.axhline(s.line_rate_bps / rdiv, color="k", ls="--", lw=0.8, label="line rate")
+    ax.set_xlabel(f"time from first packet ({unit})")
+    ax.set_ylabel(f"throughput ({runit}), bins of {tl.width:,} ns")
+    ax.set_title("Bits on the wire per NIC (sent)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=4, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def matrix(s: Summary) -> plt.Figure:
+    """Heatmap of the node x node matrix (log colour scale of bytes)."""
+    m = s.matrix()
+    names, data = m["nodes"], np.asarray(m["bytes"], dtype=np.float64)
+    n = len(names)
+    size = min(12, 3 + 0.5 * n)
+    fig, ax = plt.subplots(figsize=(size + 1.5, size), dpi=100)
+    shown = np.where(data > 0, data, np.nan)
+    from matplotlib.colors import LogNorm
+
+    vmax = np.nanmax(shown) if np.isfinite(shown).any() else 1
+    vmin = np.nanmin(shown) if np.isfinite(shown).any() else 0.1
+    im = ax.imshow(shown, cmap="viridis", norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
+    fig.colorbar(im, ax=ax, label="bytes")
+    ax.set_xticks(range(n), names, rotation=90 if n > 8 else 0, fontsize=8)
+    ax.set_yticks(range(n), names, fontsize=8)
+    ax.set_xlabel("receiver")
+    ax.set_ylabel("sender")
+    ax.set_title(f"Traffic matrix by {m['by']}")
+    if n <= 12:
+        for i in range(n):
+            for j in range(n):
+                if data[i, j] > 0:
+                    ax.text(j, i, _short_bytes(data[i, j]), ha="center", va="center", color="w", fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _short_bytes(v: float) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if v >= div:
+            return f"{v / div:.3g}{unit}"
+    return f"{v:.0f}"
+
+
+def sizes(s: Summary) -> plt.Figure:
+    """CDFs of flow sizes (bytes per flow) and message sizes (bytes per message)."""
+    from .stats import Distribution
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    flows = Distribution()
+    flows.add(s.flows.bytes[: s.flows.n])
+    for ax, dist, title in ((axes[0], flows, "Flow sizes (frame bytes per flow)"),
+                            (axes[1], s.message_sizes, f"Message sizes ({s.message_source or 'none'})")):
+        v, c = dist.cdf()
+        if len(v):
+            ax.step(np.concatenate([[v[0]], v]), np.concatenate([[0], c]), where="post")
+            if v.min() > 0:
+                ax.set_xscale("log")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("fraction <= size")
+        ax.set_title(f"{title}, n = {dist.count:,}")
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+def bursts(s: Summary) -> plt.Figure:
+    """Burst raster: each row a NIC and direction, each bar one burst (kept earliest first)."""
+    r = s.burst.raster_array()
+    keys = sorted(set(_top_keys(s, 0)) | set(_top_keys(s, 1)))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.3 * max(len(keys), 1)), dpi=100)
+    origin = s.first_ns or 0
+    span = (s.last_ns - origin) if s.last_ns is not None else 1
+    unit, div = _time_unit(max(span, 1))
+    for row, k in enumerate(keys):
+        sel = r[r[:, 0] == k] if len(r) else r
+        if len(sel):
+            bars = [((a - origin) / div, max((b - a) / div, span / div / 2000)) for a, b in sel[:, 1:]]
+            ax.broken_barh(bars, (row - 0.4, 0.8), color="C0" if k % 2 == 0 else "C1")
+    ax.set_yticks(range(len(keys)), [f"{s.endpoints.label[k // 2]} {('tx', 'rx')[k % 2]}" for k in keys], fontsize=7)
+    ax.set_ylim(-0.6, max(len(keys), 1) - 0.4)
+    ax.set_xlim(0, span / div if span else 1)
+    ax.set_xlabel(f"time from first packet ({unit})")
+    kept = len(r)
+    note = f", earliest {kept:,} bursts" if kept >= s.burst.raster_cap else ""
+    ax.set_title(f"Burst raster (idle gap > {s.burst.idle_gap_ns:,} ns ends a burst{note})")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return fig
+
+
+def write_all(s: Summary, out_dir: Path, phase_spans=None, force: bool = False) -> list[tuple[str, Path, Path]]:
+    """Write every figure as ``<name>.png`` and ``<name>.svg`` into ``out_dir``.
+
+    Each file is written to a temporary name and renamed, so no partial figure is left.
+
+    Returns
+    -------
+    list of (caption, png path, svg path) in :data:`FIGURES` order.
+
+    Raises
+    ------
+    wiretrace.errors.WiretraceError : a target file exists and ``force`` is False.
+    """
+    from ..errors import WiretraceError
+
+    out_dir = Path(out_dir)
+    targets = [out_dir / f"{n}.{ext}" for n in FIGURES for ext in ("png", "svg")]
+    existing = [t for t in targets if t.exists()]
+    if existing and not force:
+        raise WiretraceError(f"{existing[0]} exists; pass --force to overwrite it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    makers = {"throughput": lambda: throughput(s, phase_spans), "matrix": lambda: matrix(s),
+              "sizes": lambda: sizes(s), "bursts": lambda: bursts(s)}
+    out = []
+    for name in FIGURES:
+        fig = makers[name]()
+        paths = []
+        try:
+            for ext in ("png", "svg"):
+                final = out_dir / f"{name}.{ext}"
+                tmp = out_dir / f".{name}.{ext}.tmp"
+                fig.savefig(tmp, format=ext)
+                os.replace(tmp, final)
+                paths.append(final)
+        finally:
+            plt.close(fig)
+        out.append((CAPTIONS[name], paths[0], paths[1]))
+    return out
