@@ -441,3 +441,49 @@ def test_schedule_from_writes_parquet_and_prints_the_summary(tmp_path):
     bad.write_text("nothing here\n")
     proc = run_cli("schedule", "--from", bad, "-o", tmp_path / "o2")
     assert proc.returncode == 2 and "known formats" in proc.stderr and not (tmp_path / "o2").exists()
+
+
+def test_profiler_steps_give_iterations_and_step_relative_times(tmp_path):
+    doc = json.loads(KINETO.read_text())
+    base = 4458676000000
+    doc["traceEvents"] += [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "pid": 1, "tid": 1,
+         "ts": base + 423000.0, "dur": 197000.0},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "pid": 1, "tid": 1,
+         "ts": base + 620000.0, "dur": 500000.0}]
+    p = tmp_path / "steps.json"
+    p.write_text(json.dumps(doc))
+    got = read_schedule(p)
+    r = rows(got)
+    assert [x["iteration"] for x in r] == [0] * 7 + [1] * 14
+    assert r[0]["t_ready_ns"] == 385_774            # 423385.774 µs - 423000.000 µs
+    assert r[7]["t_ready_ns"] == 25_361_514         # 645361.514 µs - 620000.000 µs
+    assert got.report["iterations"] == 2
+
+
+def test_ring_order_tuning_lines_and_nccl_algo_shape_the_rows(tmp_path):
+    coll = ("n{r}:{r}0:{r}1 [0] NCCL INFO AllReduce: opCount {oc} sendbuff 0x1 recvbuff 0x1 count 1048576 "
+            "datatype 7 op 0 root 0 comm 0x{r}c [nranks=4] stream 0x2")
+    lines = [f"n{r}:{r}0:{r}1 [0] NCCL INFO comm 0x{r}c rank {r} nRanks 4 nNodes 4 localRanks 1 localRank 0 MNNVL 0"
+             for r in range(4)]
+    lines += ["n0:00:01 [0] NCCL INFO NCCL_ALGO set by environment to ring;allgather:tree",
+              "n0:00:01 [0] NCCL INFO Channel 00/01 :    0   2   1   3"]
+    for oc in ("0", "1"):
+        lines += [coll.format(r=r, oc=oc) for r in range(4)]
+        if oc == "1":   # NCCL's tuning decision for this call, printed after its COLL line
+            lines.append("n0:00:01 [0] NCCL INFO 4194304 Bytes -> Algo 0 proto 2 time 123.456")
+    got = read_schedule(_log(tmp_path, "t.log", lines))
+    r = rows(got)
+    assert [x["ranks"] for x in r] == [[0, 2, 1, 3]] * 2
+    assert [x["algorithm"] for x in r] == ["ring", "tree"]
+    assert {x["bytes_global"] for x in r} == {4 << 20}
+    assert got.rings == {0: [0, 2, 1, 3]}
+    assert got.report["communicators"][0]["processes"] == 4
+
+
+def test_nccl_algo_values():
+    from wiretrace.ingest.nccl_log import parse_nccl_algo
+
+    assert parse_nccl_algo("Tree") == {"*": "tree"}
+    assert parse_nccl_algo("ring;allreduce:tree") == {"*": "ring", "all_reduce": "tree"}
+    assert parse_nccl_algo("^ring") == {} and parse_nccl_algo("ring,collnetdirect") == {}

@@ -184,6 +184,23 @@ def read_bytes(path: Path, skipped: list[Skip]) -> bytes:
         return out
 
 
+def iter_lines(path: Path, skipped: list[Skip]):
+    """Lines of a text file (gzip accepted) without line ends, streamed: a multi-GB log is never
+    held in memory. A cut-off gzip stream ends the lines where it breaks, with a :class:`Skip`."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    opener = gzip.open if gz else open
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace", newline=None) as f:
+            for line in f:
+                n += 1
+                yield line.rstrip("\r\n")
+    except (EOFError, OSError, zlib.error) as e:
+        skipped.append(Skip(str(path), n + 1, f"gzip stream is cut off or damaged ({e}); read {n:,} lines"))
+
+
 def text_lines(data: bytes) -> list[str]:
     """Decode as UTF-8 (bad bytes replaced) and split into lines without line ends."""
     return data.decode("utf-8", errors="replace").splitlines()

@@ -11,9 +11,12 @@ ScalarType name such as ``Float``), ``In split size`` / ``Out split size`` (all_
 ``Src Rank`` / ``Dst Rank`` (send/recv).
 
 The dtype comes from these args, never from the kernel name (broadcasts run as ``int8_t``
-kernels whatever the tensor type). ``ts`` is in microseconds (float): ``t_ready_ns`` is the
-kernel start minus the start of the first collective kernel of the same trace, exact to the
-nanosecond (``ts`` is read as decimal text). ``wait`` / ``barrier``-only records are not
+kernels whatever the tensor type). ``ts`` is in microseconds (float), read as decimal text so
+that times are exact to the nanosecond. When the trace has ``ProfilerStep#N`` annotations, a
+call belongs to the step during which its kernel was launched (the runtime event with the
+kernel's ``correlation``): ``iteration`` is N minus the first step number of all traces read,
+and ``t_ready_ns`` the kernel start minus that step's start. Without steps, ``iteration`` is 0
+and ``t_ready_ns`` the kernel start minus the first collective kernel's start in the trace. ``wait`` / ``barrier``-only records are not
 collectives. With several traces (one per rank), the k-th call on a process group in one
 trace is the k-th call on that group in every other trace (the order NCCL requires); ranks
 disagreeing about op or size are a mismatch. A trace cut off mid-file is read up to the last
@@ -22,6 +25,7 @@ complete event.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 from collections import defaultdict
@@ -154,10 +158,18 @@ def read(paths: list[Path]) -> Partial:
             m = re.search(r"rank[_\-]?(\d+)", Path(fname).name)
             rank = int(m.group(1)) if m else tidx
         pg_conf = {str(p.get("pg_name")): p for p in dist.get("pg_config", []) if isinstance(p, dict)}
-        cpu_args = {}
+        cpu_args, launches, steps = {}, {}, []
         for _, e in events:
-            if e.get("name") == "record_param_comms" and "External id" in e.get("args", {}):
-                cpu_args[e["args"]["External id"]] = e["args"]
+            name, args = e.get("name", ""), e.get("args") or {}
+            if name == "record_param_comms" and "External id" in args:
+                cpu_args[args["External id"]] = args
+            elif str(e.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver", "runtime") and "correlation" in args:
+                launches[args["correlation"]] = e.get("ts")
+            elif name.startswith("ProfilerStep#") and e.get("ph") == "X":
+                m = re.match(r"ProfilerStep#(\d+)", name)
+                if m:
+                    steps.append((Decimal(str(e.get("ts"))), int(m.group(1))))
+        steps.sort()
         calls = []
         for idx, e in events:
             name = e.get("name", "")
@@ -168,8 +180,16 @@ def read(paths: list[Path]) -> Partial:
                 args = {**cpu_args.get(args.get("External id"), {}), **args}
             call = _call(name, args, idx, e, fname, rank, pg_conf, out)
             if call is not None:
+                launch = launches.get(args.get("correlation"))
+                call["launch"] = Decimal(str(launch)) if launch is not None else call["ts"]
                 calls.append(call)
-        if calls:
+        if calls and steps:
+            starts = [t for t, _ in steps]
+            for c in calls:
+                start, step = steps[max(bisect.bisect_right(starts, c["launch"]) - 1, 0)]
+                c["step"] = step
+                c["t_ns"] = max(0, int((c["ts"] - start) * 1000))
+        elif calls:
             t0 = min(c["ts"] for c in calls)
             for c in calls:
                 c["t_ns"] = int((c["ts"] - t0) * 1000)
@@ -263,6 +283,14 @@ def _call(name, args, idx, e, fname, rank, pg_conf, out) -> dict | None:
 
 def _combine(per_trace: list[dict], out: Partial) -> None:
     """Match calls across traces and build rows."""
+    step_numbers = [c["step"] for tr in per_trace for c in tr["calls"] if "step" in c]
+    first_step = min(step_numbers) if step_numbers else 0
+    if step_numbers:
+        out.report["iterations"] = len(set(step_numbers))
+
+    def iteration(c) -> int:
+        return c["step"] - first_step if "step" in c else 0
+
     slots: dict[tuple, list[dict]] = defaultdict(list)   # (pg, k) -> calls of the ranks
     p2p: dict[tuple, dict[str, list]] = defaultdict(lambda: {"send": [], "recv": []})
     for tr in per_trace:
@@ -300,13 +328,13 @@ def _combine(per_trace: list[dict], out: Partial) -> None:
         info[g]["calls"] += 1
         row = dict(op=rep["op"], group=g, ranks=rep["ranks"], group_size=rep["n"], bytes_global=rep["bg"],
                    bytes_per_rank=max(c["bpr"] for c in calls) if rep["op"] == "all_to_allv" else rep["bpr"],
-                   dtype=rep["dtype"], algorithm=rep["algo"], t_ready_ns=first["t_ns"],
+                   dtype=rep["dtype"], algorithm=rep["algo"], t_ready_ns=first["t_ns"], iteration=iteration(first),
                    parallelism=parallelism_from_desc(rep["desc"]),
                    source=f"{rep['file']}#traceEvents[{rep['idx']}]")
         if rep.get("splits_bytes"):
             out.report.setdefault("all_to_allv_splits", []).append(
                 {"source": row["source"], "by_rank": {str(c["rank"]): c.get("splits_bytes") for c in calls}})
-        items.append(((first["t_ns"], rep["idx"]), row))
+        items.append(((iteration(first), first["t_ns"], rep["idx"]), row))
     for (pg, src, dst, nbytes), sides in p2p.items():
         for k in range(max(len(sides["send"]), len(sides["recv"]))):
             pair = [x for x in (sides["send"][k] if k < len(sides["send"]) else None,
@@ -314,9 +342,10 @@ def _combine(per_trace: list[dict], out: Partial) -> None:
             first = min(pair, key=lambda c: c["t_ns"])
             g = gid(pg, first["ranks"], first["n"], first["desc"])
             info[g]["calls"] += 1
-            items.append(((first["t_ns"], first["idx"]), dict(
+            items.append(((iteration(first), first["t_ns"], first["idx"]), dict(
                 op="send_recv", group=g, ranks=[src, dst], group_size=2, bytes_global=nbytes, bytes_per_rank=nbytes,
                 dtype=first["dtype"], src=src, dst=dst, algorithm=first["algo"], t_ready_ns=first["t_ns"],
+                iteration=iteration(first),
                 parallelism=parallelism_from_desc(first["desc"]),
                 source=f"{first['file']}#traceEvents[{first['idx']}]")))
     items.sort(key=lambda it: it[0])

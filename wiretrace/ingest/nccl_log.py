@@ -23,8 +23,11 @@ What is read, line by line (launcher prefixes such as Ray's ``(RayTrainWorker pi
 - connections ``Channel 03/0 : 5[5] -> 12[4] [send] via NET/IB/3`` (2.4: ``Ring 00 : ...``): the
   transport of each edge; ``NET/IB : Using [0]mlx5_4:1/RoCE [RO]`` tells whether an IB-verbs
   device runs on InfiniBand or RoCE.
-- ``NCCL version 2.18.5+cuda12.0`` (``RCCL version ...``), ``NCCL_ALGO`` settings, and the
-  nccl-tests ``#  Rank  1 Group  0 Pid .. on host device  0`` lines (rank -> host).
+- ``NCCL version 2.18.5+cuda12.0`` (``RCCL version ...``) and the nccl-tests
+  ``#  Rank  1 Group  0 Pid .. on host device  0`` lines (rank -> host).
+- the algorithm: a TUNING line ``4194304 Bytes -> Algo 0 proto 2 time ..`` after a COLL line of
+  the same thread (``NCCL_ALGO_*`` index: 0 tree, 1 ring), else an ``NCCL_ALGO`` setting that
+  forces one of ring/tree for the op, else ``ring``.
 
 Grouping calls across processes
 -------------------------------
@@ -43,7 +46,9 @@ RCCL's ``globalrank``, from the init line of its handle, or, on a 2-rank communi
 rank that is not the peer; otherwise the line is skipped with that reason.
 
 Ranks are communicator ranks (equal to global ranks for the world communicator); NCCL logs do
-not map a sub-communicator's ranks to global ranks.
+not map a sub-communicator's ranks to global ranks. When the log holds a complete ring order for
+channel 0 of a communicator of the same size, ``ranks`` lists the ranks in that ring order, so
+that lowering follows the ring NCCL built.
 """
 
 from __future__ import annotations
@@ -52,8 +57,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from .common import NCCL_DTYPE, NCCL_REDOP, DTYPE_SIZE, Partial, Skip, counts_by_op, read_bytes, \
-    sizes, text_lines
+from .common import DTYPE_SIZE, NCCL_DTYPE, NCCL_REDOP, Partial, Skip, counts_by_op, iter_lines, sizes
 
 MAXWIDTH = 20
 """Ranks NCCL prints on one ring-order line (``MAXWIDTH`` in NCCL ``src/graph/rings.cc``)."""
@@ -80,6 +84,10 @@ _TREE_OLD = re.compile(r"\[(\d+)\] (-?\d+)->(-?\d+)->(-?\d+)/(-?\d+)/(-?\d+)")
 _NET_IB = re.compile(r"^NET/IB : Using (.*?)(?:; OOB .*)?$")
 _IB_DEV = re.compile(r"\[(\d+)\]([^\s:\[\]]+):(\d+)/(IB|RoCE)(\s*\[RO\])?")
 _NETWORK = re.compile(r"^Using network (\S+)")
+_TUNING = re.compile(r"(\d+) Bytes -> Algo (\d+) proto (\d+)")
+
+ALGORITHMS = {0: "tree", 1: "ring", 2: "collnet_direct", 3: "collnet_chain", 4: "nvls", 5: "nvls_tree", 6: "pat"}
+"""NCCL_ALGO_* indices of NCCL ``src/include/devcomm.h`` (TUNING lines name the algorithm by index)."""
 
 # COLL op names -> table op (send/recv become send_recv rows).
 _OPS = {"AllReduce": "all_reduce", "AllGather": "all_gather", "ReduceScatter": "reduce_scatter",
@@ -108,6 +116,31 @@ def transport_class(via: str, device_link: str | None = None) -> str:
             return "NET/IB/RoCE"
         return f"NET/{kind}"
     return head.upper() if head.lower() in ("p2p", "shm", "nvls", "collnet") else head
+
+
+_ALGO_OPS = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+             "broadcast": "broadcast", "reduce": "reduce"}
+
+
+def parse_nccl_algo(value: str) -> dict[str, str]:
+    """Algorithm forced by an ``NCCL_ALGO`` value, per table op (``"*"`` for every op).
+
+    Syntax of NCCL ``src/graph/tuning.cc`` (``parseList``): ``Tree``, ``ring,collnetdirect``,
+    ``ring;allreduce:tree``, ``^ring`` (all but ring). Only a list naming exactly one of ring and
+    tree, without ``^``, forces that algorithm; anything else leaves NCCL a choice and is absent
+    from the result.
+    """
+    out: dict[str, str] = {}
+    for part in value.strip("\"'").split(";"):
+        prefix, _, elems = part.rpartition(":")
+        names = [e.strip().lower() for e in elems.split(",") if e.strip()]
+        if not names or any(n.startswith("^") for n in names) or len(names) != 1 or names[0] not in ("ring", "tree"):
+            continue
+        for p in (prefix.split(",") if prefix else ["*"]):
+            key = "*" if p == "*" else _ALGO_OPS.get(p.strip().lower())
+            if key:
+                out[key] = names[0]
+    return out
 
 
 def _hexint(text: str) -> int | None:
@@ -175,9 +208,12 @@ def read(paths: list[Path]) -> Partial:
 
     for fidx, path in enumerate(paths):
         fname = str(path)
-        lines = text_lines(read_bytes(path, out.skipped))
-        nlines = len(lines)
-        for lno, line in enumerate(lines, 1):
+        lno = 0
+        last_coll: dict[tuple, dict] = {}
+        for lno, line in enumerate(iter_lines(path, out.skipped), 1):
+            if "NCCL" not in line and "CCL version" not in line and "#" not in line and "..." not in line \
+                    and "…" not in line and "opCount" not in line:
+                continue
             stripped = line.strip()
             if stripped in ("...", "…", "[...]"):
                 out.skipped.append(Skip(fname, lno, "elision marker: lines were left out of this log here"))
@@ -208,6 +244,15 @@ def read(paths: list[Path]) -> Partial:
                 rec = _parse_coll(c, fname, fidx, lno, host, pid, dev, out.skipped)
                 if rec is not None:
                     recs.append(rec)
+                    last_coll[(host, pid, p.group("tid"))] = rec
+                continue
+            mt = _TUNING.search(msg)
+            if mt:
+                rec = last_coll.get((host, pid, p.group("tid")))
+                # nBytes is count x size, times nranks for all_gather / reduce_scatter (enqueue.cc)
+                if rec is not None and "algo" not in rec and int(mt.group(1)) in (
+                        rec["count"] * DTYPE_SIZE[rec["dtype"]], rec["count"] * DTYPE_SIZE[rec["dtype"]] * rec["nranks"]):
+                    rec["algo"] = ALGORITHMS.get(int(mt.group(2)), f"algo{mt.group(2)}")
                 continue
             if " opCount " in msg:
                 out.skipped.append(Skip(fname, lno, "COLL line in no known layout (opCount is not hexadecimal, "
@@ -279,15 +324,11 @@ def read(paths: list[Path]) -> Partial:
                 continue
             if _CHANNEL_LIKE.match(msg) and " : " in msg and "->" not in msg and not msg.rstrip().endswith(":"):
                 out.skipped.append(Skip(fname, lno, "ring/channel line in no known layout"))
-        out.files.append({"path": fname, "format": "nccl-log", "lines": nlines})
+        out.files.append({"path": fname, "format": "nccl-log", "lines": lno})
 
-    algorithm = "ring"
-    if algos:
-        last = algos[-1].split(",")
-        if len(last) == 1 and last[0].lower() in ("ring", "tree"):
-            algorithm = last[0].lower()
-        else:
-            out.notes.append(f"NCCL_ALGO={algos[-1]}: not a single ring/tree algorithm; rows say ring")
+    algorithm = parse_nccl_algo(algos[-1]) if algos else {}
+    if algos and not algorithm:
+        out.notes.append(f"NCCL_ALGO={algos[-1]} leaves NCCL a choice; rows say ring unless a TUNING line names it")
 
     rings = _assemble_rings(ring_sets, prevnext, out)
     out.rings = rings
@@ -432,7 +473,21 @@ def _transports(conns: list[dict], ib_devices: dict, out: Partial) -> None:
         out.report["connections"] = len(detail)
 
 
-def _calls(recs: list[dict], init: dict, rings: dict, algorithm: str, out: Partial) -> None:
+def _row_algorithm(lines: list[dict], op: str, env: dict[str, str], out: Partial) -> str:
+    """ring or tree: what a TUNING line of the call says (most ranks), else NCCL_ALGO, else ring."""
+    named = [r["algo"] for r in lines if "algo" in r]
+    if named:
+        algo = max(set(named), key=named.count)
+        if algo in ("ring", "tree"):
+            return algo
+        note = f"NCCL chose {algo} for some {op} calls; the table names ring for them"
+        if note not in out.notes:
+            out.notes.append(note)
+        return "ring"
+    return env.get(op, env.get("*", "ring"))
+
+
+def _calls(recs: list[dict], init: dict, rings: dict, algorithm: dict[str, str], out: Partial) -> None:
     # --- communicators -------------------------------------------------------------------
     def slot(r):
         return (r["host"], r["pid"], r["dev"])
@@ -512,9 +567,10 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: str, out: Parti
             rep = best[0]
             n = rep["nranks"]
             bg, bpr = sizes(rep["op"], DTYPE_SIZE[rep["dtype"]], rep["count"], n)
+            algo = _row_algorithm(lines, rep["op"], algorithm, out)
             items.append(((first["line"], first["fidx"], k), dict(
                 op=rep["op"], group=g, ranks=ring_ranks(n), group_size=n, bytes_global=bg,
-                bytes_per_rank=bpr, dtype=rep["dtype"], algorithm=algorithm,
+                bytes_per_rank=bpr, dtype=rep["dtype"], algorithm=algo,
                 source=f"{first['file']}:{first['line']}")))
             comm_info[g]["calls"] += 1
 
@@ -545,7 +601,7 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: str, out: Parti
             nbytes = count * DTYPE_SIZE[dtype]
             items.append(((first["line"], first["fidx"], k), dict(
                 op="send_recv", group=g, ranks=[src, dst], group_size=2, bytes_global=nbytes,
-                bytes_per_rank=nbytes, dtype=dtype, src=src, dst=dst, algorithm=algorithm,
+                bytes_per_rank=nbytes, dtype=dtype, src=src, dst=dst, algorithm="ring",
                 source=f"{first['file']}:{first['line']}")))
             comm_info[g]["calls"] += 1
 
