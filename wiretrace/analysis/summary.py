@@ -129,12 +129,20 @@ class _Flows:
 
     def ids(self, src, dst, sport, dqp) -> np.ndarray:
         """Flow id of every packet (registering new flows)."""
-        key = np.empty(len(src), dtype=[("s", "i8"), ("d", "i8"), ("p", "i4"), ("q", "i4")])
-        key["s"], key["d"], key["p"], key["q"] = src, dst, sport, dqp
-        uk, inv = np.unique(key, return_inverse=True)
-        ids = np.empty(len(uk), dtype=np.int64)
+        cols = (np.asarray(src, np.int64), np.asarray(dst, np.int64), np.asarray(sport, np.int64),
+                np.asarray(dqp, np.int64))
+        order = np.lexsort(cols[::-1])
+        change = np.zeros(len(order), dtype=bool)
+        change[0] = True
+        for c in cols:
+            cs = c[order]
+            change[1:] |= cs[1:] != cs[:-1]
+        first = order[change]                       # one packet per distinct flow key
+        inv = np.empty(len(order), dtype=np.int64)
+        inv[order] = np.cumsum(change) - 1
+        ids = np.empty(len(first), dtype=np.int64)
         new = []
-        for j, k in enumerate(uk.tolist()):
+        for j, k in enumerate(zip(*(c[first].tolist() for c in cols))):
             fid = self.index.get(k)
             if fid is None:
                 fid = self.n + len(new)
@@ -144,10 +152,10 @@ class _Flows:
         if new:
             self._grow(self.n + len(new))
             sl = slice(self.n, self.n + len(new))
-            arr = np.array(new, dtype=key.dtype)
-            self.src[sl], self.dst[sl], self.udp_sport[sl], self.dest_qp[sl] = arr["s"], arr["d"], arr["p"], arr["q"]
+            arr = np.array(new, dtype=np.int64)
+            self.src[sl], self.dst[sl], self.udp_sport[sl], self.dest_qp[sl] = arr.T
             self.n += len(new)
-        return ids[inv.ravel()]
+        return ids[inv]
 
 
 class _Timeline:
