@@ -487,3 +487,16 @@ def test_nccl_algo_values():
     assert parse_nccl_algo("Tree") == {"*": "tree"}
     assert parse_nccl_algo("ring;allreduce:tree") == {"*": "ring", "all_reduce": "tree"}
     assert parse_nccl_algo("^ring") == {} and parse_nccl_algo("ring,collnetdirect") == {}
+
+
+def test_nccl_tests_run_with_nccl_debug_info_keeps_rings_and_transports(tmp_path):
+    p = tmp_path / "run.txt"
+    p.write_text((LOGS / "nccl1412_init_rings_trees_16r_2nodes.log").read_text()
+                 + (TESTS / "nccltests232_allreduce_tree_2nodes_h100_4nics.txt").read_text())
+    assert detect_format(p) == "nccl-tests"
+    got = read_schedule(p)
+    assert got.table.num_rows == 5
+    assert got.rings[0] == [0, 5, 4, 7, 6, 3, 2, 1, 8, 13, 12, 15, 14, 11, 10, 9]
+    assert sorted(got.complete_rings()) == [0, 1, 2, 3, 4]
+    assert got.transports[(5, 12)] == "NET/IB"
+    assert "peak busbw 41.31 GB/s at 32.00 MiB" in format_report(got.report)

@@ -57,6 +57,11 @@ class ScheduleRead:
     transports: dict[tuple[int, int], str] = field(default_factory=dict)
     trees: dict[int, dict[int, dict]] = field(default_factory=dict)
 
+    def complete_rings(self) -> dict[int, list[int]]:
+        """The rings NCCL printed whole (channel -> ranks in ring order), without the incomplete
+        (``None``) channels: what a lowering can follow without guessing."""
+        return {ch: r for ch, r in self.rings.items() if r is not None}
+
 
 def detect_format(path: Path | str) -> str:
     """The format of one file: ``nccl-log``, ``kineto``, ``chakra`` or ``nccl-tests``.
@@ -290,6 +295,16 @@ def format_report(report: dict, max_skipped: int = 10) -> str:
     for note in report.get("notes", [])[:10]:
         out.append(f"note           {note}")
     sk = report.get("skipped", [])
+    for f in report.get("files", []):
+        if f.get("format") == "nccl-tests" and f.get("op"):
+            tests = [t for t in report.get("nccl_tests", []) if t.get("file") == f["path"]]
+            if tests:
+                sizes = [t["size"] for t in tests]
+                peak = max(tests, key=lambda t: t["busbw"])
+                out.append(f"nccl-tests     {f['op']} over {f.get('ranks') or '?'} ranks "
+                           f"({f.get('ranks_from') or 'unknown'}): {len(tests)} sizes "
+                           f"{_human_bytes(min(sizes))}..{_human_bytes(max(sizes))}, peak busbw "
+                           f"{peak['busbw']:.2f} GB/s at {_human_bytes(peak['size'])}")
     out.append(f"skipped        {len(sk)}")
     for s in sk[:max_skipped]:
         out.append(f"  {s['file']}:{s['line']}: {s['reason']}")

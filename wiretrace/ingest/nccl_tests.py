@@ -10,7 +10,9 @@ Layouts read (columns are found from the header line, so reordered or missing co
   times are converted to µs.
 
 Launcher prefixes (``srun --label``'s ``0:``, ``mpirun --tag-output``'s ``[1,0]<stdout>:``) are
-stripped. The op comes from the binary name (``all_gather_perf`` -> all_gather). The number of
+stripped. When the run printed ``NCCL_DEBUG=INFO`` lines, its rings, transports, network devices
+and NCCL version are read from them as from an NCCL log (COLL lines of the benchmark's
+iterations are not rows). The op comes from the binary name (``all_gather_perf`` -> all_gather). The number of
 ranks comes from the ``#  Rank N ...`` lines, else the launch command (``mpirun -np``,
 ``srun --nodes × --ntasks-per-node`` or ``--ntasks``, times the test's ``-g``/``-t``), else the
 ratio busbw/algbw (reported as inferred).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from . import nccl_log
 from .common import DTYPE_SIZE, Partial, Skip, counts_by_op, read_bytes, sizes, text_lines
 
 _PREFIX = re.compile(r"^\s*(?:\[\d+,\d+\]<\w+>:|\d+:)\s?")
@@ -200,6 +203,16 @@ def read(paths: list[Path]) -> Partial:
         avg = _AVG.search(text)
         if avg:
             out.files[-1]["avg_busbw"] = float(avg.group(1))
+        if nccl_log.looks_like(lines):
+            # run with NCCL_DEBUG=INFO: rings, transports, devices and version from its INFO lines
+            info = nccl_log.read([path])
+            out.rings = out.rings or info.rings
+            out.trees = out.trees or info.trees
+            out.transports.update(info.transports)
+            for key in ("nccl_version", "net_devices", "hosts", "transport_edges", "ring_sets"):
+                if info.report.get(key) and not out.report.get(key):
+                    out.report[key] = info.report[key]
+            out.notes += info.notes
     for row in items:
         out.rows.add(**row)
     if items:
