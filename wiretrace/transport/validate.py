@@ -40,6 +40,7 @@ memory stays bounded for captures of any size.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,11 +159,12 @@ class Report:
         return sum(self.counts.values())
 
     def add(self, frames, qps, check: str, messages) -> None:
-        """Record violations of ``check`` for the given frames (arrays or lists, same length)."""
+        """Record violations of ``check`` for the given frames (arrays or lists, same length);
+        ``messages`` may be a generator: only the messages kept are formatted."""
         frames = list(frames)
         self.counts[check] += len(frames)
-        room = self.max_violations - len(self.violations)
-        for f, q, m in list(zip(frames, qps, messages))[:max(room, 0)]:
+        room = max(self.max_violations - len(self.violations), 0)
+        for f, q, m in itertools.islice(zip(frames, qps, messages), room):
             self.violations.append(Violation(int(f), None if q is None or q < 0 else int(q),
                                              check, m))
 
@@ -198,13 +200,30 @@ def _gather(batch: FrameBatch, rows: np.ndarray, start: np.ndarray, length: np.n
     return np.where(inside, batch.data[idx], 0).astype(np.uint8)
 
 
-def _chunks(lengths: np.ndarray, budget: int = 16 << 20):
-    """Row index chunks whose padded 2-D gather (rows x widest row) stays within ``budget``."""
+def _chunks(lengths: np.ndarray, budget: int = 8 << 20):
+    """Index chunks of rows of similar length (within 1/8 of each other) whose padded 2-D
+    gather (rows x widest row) stays within ``budget`` bytes."""
     if not len(lengths):
         return
-    step = max(1, budget // max(int(lengths.max()), 1))
-    for i in range(0, len(lengths), step):
-        yield np.arange(i, min(i + step, len(lengths)))
+    order = np.argsort(lengths, kind="stable")
+    srt = lengths[order]
+    i = 0
+    while i < len(order):
+        limit = int(srt[i]) + int(srt[i]) // 8 + 64
+        j = int(np.searchsorted(srt, limit, side="right"))
+        j = min(j, i + max(1, budget // max(int(srt[j - 1]), 1)))
+        yield order[i:j]
+        i = j
+
+
+def _frame_windows(data_padded: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """``(len(starts), width)`` uint8 copies of ``data_padded[start:start + width]``.
+
+    ``data_padded`` must extend at least ``width`` bytes past the last start; bytes past a
+    frame's end belong to the next frame (callers pass lengths to the CRC functions).
+    """
+    view = np.lib.stride_tricks.sliding_window_view(data_padded, width)
+    return view[starts]
 
 
 def _check_ipv4(batch, cols, rep: Report) -> None:
@@ -240,36 +259,41 @@ def _check_ipv4(batch, cols, rep: Report) -> None:
 
 def _check_crcs(batch, cols, rep: Report) -> None:
     complete = cols["complete"] & cols["has_bth"]
+    if not complete.any():
+        return
+    longest = int((cols["ip_len"][complete].astype(np.int64) + H.VCRC_LEN).max())
+    data = np.concatenate([batch.data, np.zeros(longest + 1, dtype=np.uint8)])
     for kind in (KIND_ROCE_V4, KIND_ROCE_V6, KIND_IB, KIND_IB_GRH):
         sel = np.nonzero(complete & (cols["kind"] == kind))[0]
         if not len(sel):
             continue
-        start = cols["l3_offset"][sel].astype(np.int64)
+        start = batch.offsets[cols["row"][sel]] + cols["l3_offset"][sel].astype(np.int64)
         covered = cols["ip_len"][sel].astype(np.int64) - H.ICRC_LEN  # through the pad
         ib = kind in (KIND_IB, KIND_IB_GRH)
+        tail = H.ICRC_LEN + (H.VCRC_LEN if ib else 0)
         rep.checked["icrc"] += len(sel)
         if ib:
             rep.checked["vcrc"] += len(sel)
-        for chunk in _chunks(covered + H.ICRC_LEN + (H.VCRC_LEN if ib else 0)):
+        for chunk in _chunks(covered + tail):
             s = sel[chunk]
-            full = covered[chunk] + H.ICRC_LEN + (H.VCRC_LEN if ib else 0)
-            rows = _gather(batch, cols["row"][s], start[chunk], full)
+            cov = covered[chunk]
+            rows = _frame_windows(data, start[chunk], int(cov.max()) + tail)
             r = np.arange(len(s))[:, None]
-            stored = rows[r, covered[chunk][:, None] + np.arange(4)].astype(np.uint32)
+            stored = rows[r, cov[:, None] + np.arange(4)].astype(np.uint32)
             stored = stored[:, 0] | stored[:, 1] << 8 | stored[:, 2] << 16 | stored[:, 3] << 24
             if ib:
-                want = C.icrc_ib(rows, kind == KIND_IB_GRH, covered[chunk])
+                want = C.icrc_ib(rows, kind == KIND_IB_GRH, cov)
             else:
-                want = C.icrc_rocev2(rows, 4 if kind == KIND_ROCE_V4 else 6, covered[chunk])
+                want = C.icrc_rocev2(rows, 4 if kind == KIND_ROCE_V4 else 6, cov)
             bad = stored != want
             if bad.any():
                 b = s[bad]
                 rep.add(cols["frame"][b], cols["dest_qp"][b], "icrc",
-                        [f"ICRC {int(g):08x} (wire bytes {int(g).to_bytes(4, 'little').hex(' ')}), "
+                        (f"ICRC {int(g):08x} (wire bytes {int(g).to_bytes(4, 'little').hex(' ')}), "
                          f"expected {int(w):08x} (wire bytes {int(w).to_bytes(4, 'little').hex(' ')})"
-                         for g, w in zip(stored[bad], want[bad])])
+                         for g, w in zip(stored[bad], want[bad])))
             if ib:
-                vend = covered[chunk] + H.ICRC_LEN
+                vend = cov + H.ICRC_LEN
                 vb = rows[r, vend[:, None] + np.arange(2)]
                 vstored = np.ascontiguousarray(vb).view(C.VCRC_BYTE_ORDER + "u2").reshape(-1)
                 vwant = C.vcrc(rows, vend)
@@ -277,8 +301,8 @@ def _check_crcs(batch, cols, rep: Report) -> None:
                 if bad.any():
                     b = s[bad]
                     rep.add(cols["frame"][b], cols["dest_qp"][b], "vcrc",
-                            [f"VCRC {int(g):04x}, expected {int(w):04x}"
-                             for g, w in zip(vstored[bad], vwant[bad])])
+                            (f"VCRC {int(g):04x}, expected {int(w):04x}"
+                             for g, w in zip(vstored[bad], vwant[bad])))
 
 
 def _check_lengths(batch, cols, rep: Report) -> None:
@@ -293,33 +317,33 @@ def _check_lengths(batch, cols, rep: Report) -> None:
     ip_hdr = np.where(kind == KIND_ROCE_V4,
                       cols["bth_offset"] - H.UDP.length - cols["l3_offset"], H.IPV6.length)
     bad = np.nonzero(roce & (cols["udp_len"] >= 0) & (cols["ip_len"] - ip_hdr != cols["udp_len"]))[0]
-    problems.append((bad, [f"UDP length {int(cols['udp_len'][i])} but the IP header leaves "
-                           f"{int(cols['ip_len'][i] - ip_hdr[i])} bytes" for i in bad]))
+    problems.append((bad, (f"UDP length {int(cols['udp_len'][i])} but the IP header leaves "
+                           f"{int(cols['ip_len'][i] - ip_hdr[i])} bytes" for i in bad)))
     # frame length on the wire against the headers (Ethernet may add an FCS or minimum padding)
     lt_eth = np.asarray(batch.linktype)[cols["row"]] == 1
     flen, orig = cols["frame_len"].astype(np.int64), cols["origlen"].astype(np.int64)
     ok_eth = (orig == flen) | (orig == flen + 4) | ((flen < 60) & ((orig == 60) | (orig == 64)))
     ok = np.where(roce, ~lt_eth | ok_eth, orig == flen)
     bad = np.nonzero(~ok & (flen >= 0))[0]
-    problems.append((bad, [f"frame is {int(orig[i])} bytes on the wire, its headers say "
-                           f"{int(flen[i])}" for i in bad]))
+    problems.append((bad, (f"frame is {int(orig[i])} bytes on the wire, its headers say "
+                           f"{int(flen[i])}" for i in bad)))
     # IB: GRH payload length against the LRH packet length is not checked by tshark either;
     # the LRH packet length must cover its own headers.
     op = cols["opcode"].astype(np.int64)
     pl = cols["payload_len"].astype(np.int64)
     bad = np.nonzero(has & (pl < 0))[0]
-    problems.append((bad, [f"{_opname(op[i])}: lengths leave {int(pl[i])} bytes of payload"
-                           for i in bad]))
+    problems.append((bad, (f"{_opname(op[i])}: lengths leave {int(pl[i])} bytes of payload"
+                           for i in bad)))
     no_payload = has & H.KNOWN_OPCODE[op] & ~H.HAS_PAYLOAD[op] & (pl > 0)
     bad = np.nonzero(no_payload)[0]
-    problems.append((bad, [f"{_opname(op[i])} carries {int(pl[i])} payload bytes, expected none"
-                           for i in bad]))
+    problems.append((bad, (f"{_opname(op[i])} carries {int(pl[i])} payload bytes, expected none"
+                           for i in bad)))
     # FIRST/MIDDLE carry exactly one path MTU
     fm = has & np.isin(OP_POS[op], (POS_FIRST, POS_MIDDLE)) & H.KNOWN_OPCODE[op] & (pl >= 0)
     bad = np.nonzero(fm & ~np.isin(pl, H.PMTU_VALUES))[0]
-    problems.append((bad, [f"{_opname(op[i])} carries {int(pl[i])} bytes; FIRST and MIDDLE "
+    problems.append((bad, (f"{_opname(op[i])} carries {int(pl[i])} bytes; FIRST and MIDDLE "
                            f"packets carry one path MTU ({'/'.join(map(str, H.PMTU_VALUES))})"
-                           for i in bad]))
+                           for i in bad)))
     for bad, msgs in problems:
         if len(bad):
             rep.add(frame[bad], qp[bad], "length", msgs)
@@ -472,18 +496,18 @@ class _StreamChecker:
         off = (psn - exp_lo) % PSN_MOD
         bad = np.nonzero(known & (off > span))[0]
         if len(bad):
-            msgs = []
-            for i in bad:
-                e = int(exp_lo[i])
-                d = (int(psn[i]) - e) % PSN_MOD
-                if d >= PSN_HALF:
-                    msgs.append(f"PSN {int(psn[i])} goes back {PSN_MOD - d} from expected {e} "
-                                "(retransmission or reordering)")
-                else:
-                    msgs.append(f"PSN gap: expected {e}"
-                                + (f"..{int(exp_hi[i])}" if span[i] else "")
-                                + f", got {int(psn[i])} ({d} PSN(s) missing)")
-            rep.add(frame[bad], qp[bad], "psn", msgs)
+            def psn_messages():
+                for i in bad:
+                    e = int(exp_lo[i])
+                    d = (int(psn[i]) - e) % PSN_MOD
+                    if d >= PSN_HALF:
+                        yield (f"PSN {int(psn[i])} goes back {PSN_MOD - d} from expected {e} "
+                               "(retransmission or reordering)")
+                    else:
+                        yield (f"PSN gap: expected {e}"
+                               + (f"..{int(exp_hi[i])}" if span[i] else "")
+                               + f", got {int(psn[i])} ({d} PSN(s) missing)")
+            rep.add(frame[bad], qp[bad], "psn", psn_messages())
 
         # -- opcode sequences (requests and READ responses) -------------------------------------
         ppos = prev(pos, "pos")
