@@ -129,11 +129,12 @@ def _head_window(batch: FrameBatch, width: int = HEAD_WINDOW) -> np.ndarray:
     n = len(batch)
     if n == 0 or len(batch.data) == 0:
         return np.zeros((n, width), dtype=np.uint8)
-    cols = np.arange(width, dtype=np.int64)
-    idx = batch.offsets[:-1, None] + cols[None, :]
-    inside = cols[None, :] < batch.caplen[:, None]
-    np.minimum(idx, len(batch.data) - 1, out=idx)
-    return np.where(inside, batch.data[idx], 0).astype(np.uint8)
+    padded = np.concatenate([batch.data, np.zeros(width, dtype=np.uint8)])
+    rows = np.lib.stride_tricks.sliding_window_view(padded, width)[batch.offsets[:-1]]
+    short = np.nonzero(batch.caplen < width)[0]
+    if len(short):
+        rows[short] *= (np.arange(width)[None, :] < batch.caplen[short, None])
+    return rows
 
 
 def _be16(rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
