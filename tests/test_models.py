@@ -56,6 +56,17 @@ def test_mixtral_total_and_active():
     assert round(c.active / 1e8) == 129
 
 
+def test_more_presets_against_published_counts():
+    """GPT-2 medium 354,823,168 and large 774,030,080 (Hugging Face ``gpt2-medium`` "355M params",
+    ``gpt2-large`` "774M params"); Mistral 7B 7,241,732,096 ("7.24B params" on
+    mistralai/Mistral-7B-v0.1); Qwen2-7B 7,615,616,512 ("7.62B params" on Qwen/Qwen2-7B, and
+    Qwen2 technical report table 1: 7.6B)."""
+    assert total("gpt2-medium") == 354_823_168
+    assert total("gpt2-large") == 774_030_080
+    assert total("mistral-7b") == 7_241_732_096
+    assert total("qwen2-7b") == 7_615_616_512
+
+
 def test_presets_required_by_the_plan_format():
     for name in ("gpt2-small", "gpt2-xl", "gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b",
                  "mixtral-8x7b"):

@@ -11,6 +11,11 @@ Preset dimensions come from the published configs:
   (96 layers, d_model 12288, 96 heads, context 2048), GPT-2 vocabulary.
 * Llama 3 8B / 70B / 405B: Meta's ``config.json`` files for Meta-Llama-3(.1) (hidden, intermediate,
   heads, 8 KV heads, vocab 128256, untied, SwiGLU, RMSNorm, RoPE) and the Llama 3 paper table 3.
+* GPT-2 medium / large: OpenAI's ``gpt2-medium`` and ``gpt2-large`` configs (24 x 1024, 36 x 1280).
+* Mistral 7B: ``mistralai/Mistral-7B-v0.1`` ``config.json`` (32 layers, 4096, 14336, 8 KV heads,
+  vocab 32000).
+* Qwen2 7B: ``Qwen/Qwen2-7B`` ``config.json`` (28 layers, 3584, 18944, 28 heads, 4 KV heads, vocab
+  152064, q/k/v biases).
 * Mixtral 8x7B: Mistral AI's ``config.json`` (32 layers, 4096, 14336, 8 experts, top-2, vocab 32000).
 """
 
@@ -97,6 +102,10 @@ _LLAMA3 = dict(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=Fal
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-small": dict(_GPT2, num_hidden_layers=12, hidden_size=768, intermediate_size=3072,
                        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024),
+    "gpt2-medium": dict(_GPT2, num_hidden_layers=24, hidden_size=1024, intermediate_size=4096,
+                        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024),
+    "gpt2-large": dict(_GPT2, num_hidden_layers=36, hidden_size=1280, intermediate_size=5120,
+                       num_attention_heads=20, num_key_value_heads=20, max_position_embeddings=1024),
     "gpt2-xl": dict(_GPT2, num_hidden_layers=48, hidden_size=1600, intermediate_size=6400,
                     num_attention_heads=25, num_key_value_heads=25, max_position_embeddings=1024),
     "gpt3-175b": dict(_GPT2, num_hidden_layers=96, hidden_size=12288, intermediate_size=49152,
@@ -107,6 +116,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                        num_attention_heads=64, max_position_embeddings=8192),
     "llama3-405b": dict(_LLAMA3, num_hidden_layers=126, hidden_size=16384, intermediate_size=53248,
                         num_attention_heads=128, max_position_embeddings=131072),
+    "mistral-7b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                       tie_word_embeddings=False, gated_mlp=True, norm="rmsnorm",
+                       position_embedding="rope", hidden_act="silu", max_position_embeddings=32768),
+    "qwen2-7b": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     tie_word_embeddings=False, gated_mlp=True, attention_bias=True,
+                     attention_out_bias=False, norm="rmsnorm", position_embedding="rope",
+                     hidden_act="silu", max_position_embeddings=131072),
     "mixtral-8x7b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                          tie_word_embeddings=False, gated_mlp=True, norm="rmsnorm",
