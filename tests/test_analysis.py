@@ -445,3 +445,23 @@ def test_capture_errors(tmp_path, capture_file):
     assert r.returncode == 2 and "not a wiretrace Parquet directory (missing packets.parquet" in r.stderr
     r = cli("summarize", str(capture_file[0]), "--line-rate", "fast")
     assert r.returncode == 2 and "--line-rate" in r.stderr
+
+
+def test_timeline_keeps_sums_while_coarsening():
+    from wiretrace.analysis.summary import _Timeline
+
+    rng = np.random.default_rng(5)
+    tl = _Timeline(max_bins=256, width_ns=1000, max_cells=256 * 64)
+    want = np.zeros(300)
+    t = 0
+    for _ in range(20):
+        n = 5000
+        ts = t + np.cumsum(rng.integers(1, 500, n))
+        t = int(ts[-1])
+        key = rng.integers(0, 300, n)
+        nb = rng.integers(60, 4000, n).astype(float)
+        tl.add(ts, key, nb)
+        np.add.at(want, key, nb)
+    assert tl.bins.shape == (300, 64)                      # 300 series: 64 bins each
+    assert tl.width * 64 > t - tl.origin                   # the span still fits
+    assert np.allclose(tl.bins.sum(axis=1), want)

@@ -25,7 +25,8 @@ is a maximal run of packets of one key in which each packet starts at most ``idl
 the previous one ended; a packet ends ``wire_bytes * 8 / line_rate`` after it starts (0 when no
 line rate is known, so that the gap is then measured start to start). Off periods are the idle
 times between consecutive bursts. Burst bytes, burst packets, on and off durations go into
-streaming :class:`~wiretrace.analysis.stats.Distribution` objects.
+streaming :class:`~wiretrace.analysis.stats.Distribution` objects (exact up to 512 distinct
+values per key, then within 2.2 %).
 """
 
 from __future__ import annotations
@@ -299,8 +300,11 @@ class Burstiness:
 
     @staticmethod
     def _dist(d: dict, k: int, classes="sizes") -> Distribution:
+        # one distribution per key and quantity: exact up to 512 distinct values, then log bins
+        # of ratio 2**(1/16) (percentiles within 2.2 %), so that thousands of NICs stay small
         if k not in d:
-            d[k] = Distribution(max_distinct=2048) if classes else Distribution(max_distinct=2048, classes=None)
+            d[k] = Distribution(max_distinct=512, log_ratio=2 ** (1 / 16),
+                                **({} if classes else {"classes": None}))
         return d[k]
 
     # -- results -----------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 A :class:`Distribution` takes values chunk by chunk (message sizes, flow sizes, burst sizes, on and
 off durations) and keeps a value -> count map. While the map holds at most ``max_distinct``
 values every number it reports is exact; past that, values are folded into logarithmic bins of
-ratio ``2**(1/64)`` (relative error of a percentile below 1.1 %) and the result says
-``"exact": false``. Memory is bounded by ``max_distinct`` (or the number of log bins between the
+ratio ``2**(1/64)`` (relative error of a percentile below 1.1 %; configurable) and the result
+says ``"exact": false``. Memory is bounded by ``max_distinct`` (or the number of log bins between the
 smallest and largest value, at most a few thousand) whatever the number of values.
 
 Totals (count, sum, min, max) and the per-class counts and bytes are always exact.
@@ -30,12 +30,15 @@ class Distribution:
     Parameters
     ----------
     max_distinct : number of distinct values kept exactly before folding into log bins.
+    log_ratio : ratio of consecutive log bins after folding (default ``2**(1/64)``: percentiles
+        within 1.1 %); coarser bins keep fewer values when many distributions are kept.
     classes : size classes for :meth:`class_shares` (``SIZE_CLASSES`` by default; ``None`` for
         durations, where a bytes share means nothing).
     """
 
-    def __init__(self, max_distinct: int = 65536, classes=SIZE_CLASSES):
+    def __init__(self, max_distinct: int = 65536, classes=SIZE_CLASSES, log_ratio: float = _LOG_RATIO):
         self.max_distinct = max_distinct
+        self.log_ratio = float(log_ratio)
         self.classes = classes
         self.values = np.zeros(0, dtype=np.float64)   # sorted distinct values (or bin centres)
         self.counts = np.zeros(0, dtype=np.int64)
@@ -95,13 +98,12 @@ class Distribution:
             self.exact = False
             self._merge_all(self._fold(self.values), self.counts)
 
-    @staticmethod
-    def _fold(v: np.ndarray) -> np.ndarray:
-        """Map values to the centre of their log bin (0 stays 0)."""
+    def _fold(self, v: np.ndarray) -> np.ndarray:
+        """Map values to the (geometric) centre of their log bin (0 stays 0)."""
         out = np.zeros_like(v)
         pos = v > 0
-        k = np.floor(np.log(v[pos]) / np.log(_LOG_RATIO))
-        out[pos] = _LOG_RATIO ** (k + 0.5)
+        k = np.floor(np.log(v[pos]) / np.log(self.log_ratio))
+        out[pos] = self.log_ratio ** (k + 0.5)
         return out
 
     def _merge_all(self, v, c) -> None:
@@ -141,6 +143,8 @@ class Distribution:
     def to_dict(self) -> dict:
         """Count, sum, mean, min, max, percentiles (``p50``...), ``exact`` and the class shares."""
         d = {"count": self.count, "sum": self.total, "exact": self.exact}
+        if not self.exact:
+            d["relative_error"] = self.log_ratio ** 0.5 - 1
         if self.count:
             d.update(mean=self.total / self.count, min=self.min, max=self.max)
             for q in PERCENTILES:

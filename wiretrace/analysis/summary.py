@@ -160,13 +160,20 @@ class _Flows:
 
 class _Timeline:
     """Bytes per time bin for many series, with a bin width that doubles to stay within
-    ``max_bins`` (for figures; exact sums, coarsening resolution as the span grows)."""
+    ``max_bins`` (for figures; exact sums, coarsening resolution as the span grows). With many
+    series the number of bins shrinks (down to 64) so that at most ``max_cells`` are kept."""
 
-    def __init__(self, max_bins: int = 2048, width_ns: int = 1000):
+    def __init__(self, max_bins: int = 2048, width_ns: int = 1000, max_cells: int = 1 << 22):
         self.max_bins = max_bins
+        self.max_cells = max_cells
         self.width = width_ns
         self.origin = None
         self.bins = np.zeros((0, max_bins))
+
+    def _fold(self) -> None:
+        """Merge neighbouring bins pairwise: half the bins, twice the width."""
+        self.bins = self.bins.reshape(self.bins.shape[0], -1, 2).sum(axis=2)
+        self.width *= 2
 
     def add(self, ts, key, nbytes) -> None:
         if len(ts) == 0:
@@ -174,13 +181,15 @@ class _Timeline:
         if self.origin is None:
             self.origin = int(ts.min())
         rel = np.maximum(ts - self.origin, 0)
-        while int(rel.max()) // self.width >= self.max_bins:
-            half = self.bins.reshape(self.bins.shape[0], -1, 2).sum(axis=2)
-            self.bins = np.concatenate([half, np.zeros_like(half)], axis=1)
-            self.width *= 2
         nk = int(key.max()) + 1
         if nk > self.bins.shape[0]:
-            self.bins = np.vstack([self.bins, np.zeros((nk - self.bins.shape[0], self.max_bins))])
+            self.bins = np.vstack([self.bins, np.zeros((nk - self.bins.shape[0], self.bins.shape[1]))])
+            while self.bins.size > self.max_cells and self.bins.shape[1] > 64:
+                self._fold()                       # fewer, wider bins; the span still fits
+        nb = self.bins.shape[1]
+        while int(rel.max()) // self.width >= nb:
+            self._fold()
+            self.bins = np.concatenate([self.bins, np.zeros_like(self.bins)], axis=1)
         np.add.at(self.bins, (key, rel // self.width), nbytes)
 
 
