@@ -401,7 +401,10 @@ def test_rccl_globalrank_commid_init_lines_and_truncated_rings(tmp_path):
 
 
 def test_prev_rank_next_lines_close_a_ring(tmp_path):
-    p = _log(tmp_path, "r.log", [f"h:1:1 [{r}] NCCL INFO Ring 00 : {(r - 1) % 4} -> {r} -> {(r + 1) % 4}" for r in (2, 0, 3, 1)]
+    # NCCL_DEBUG=TRACE lines carry a time stamp and the function between the device and NCCL
+    p = _log(tmp_path, "r.log", [f"h:1:1 [{r}] 12.5 ncclTransportP2pSetup:71 NCCL TRACE Ring 00 : "
+                                 f"{(r - 1) % 4} -> {r} -> {(r + 1) % 4}" for r in (2, 0)]
+             + [f"h:1:1 [{r}] NCCL INFO Ring 00 : {(r - 1) % 4} -> {r} -> {(r + 1) % 4}" for r in (3, 1)]
              + ["h:1:1 [0] NCCL INFO Ring 01 : 3 -> 0 -> 1"])
     got = read_schedule(p)
     assert got.rings == {0: [0, 1, 2, 3], 1: None}

@@ -63,7 +63,7 @@ MAXWIDTH = 20
 """Ranks NCCL prints on one ring-order line (``MAXWIDTH`` in NCCL ``src/graph/rings.cc``)."""
 
 _PREFIX = re.compile(r"(?P<host>[\w.\-]+):(?P<pid>\d+):(?P<tid>\d+)\s*\[(?P<dev>\d+)\]\s+"
-                     r"NCCL (?P<level>INFO|WARN|TRACE|ABORT)\s(?P<msg>.*)$")
+                     r"(?:[\d.]+ \S+:\d+ )?NCCL (?P<level>INFO|WARN|TRACE|ABORT)\s(?P<msg>.*)$")
 _COLL = re.compile(r"^(?P<name>[A-Za-z]+): opCount (?P<opcount>[0-9a-fA-F]+)\s+(?P<rest>.*)$")
 _KV = re.compile(r"\b(sendbuff|recvbuff|count|datatype|op|root|peer|comm|commHash|commId|stream|task|"
                  r"globalrank)[ =]([^\s\]]+)")
@@ -218,12 +218,12 @@ def read(paths: list[Path]) -> Partial:
             if stripped in ("...", "…", "[...]"):
                 out.skipped.append(Skip(fname, lno, "elision marker: lines were left out of this log here"))
                 continue
-            m = _TESTS_RANK.search(line)
+            m = _TESTS_RANK.search(line) if "Rank" in line and "#" in line else None
             if m:
                 rank_host[int(m.group(1))] = m.group(4)
                 hosts.add(m.group(4))
                 continue
-            mv = _VERSION.search(line)
+            mv = _VERSION.search(line) if "version" in line else None
             if mv:
                 versions.append(f"{mv.group(1)} {mv.group(2)}" if mv.group(1) == "RCCL" else mv.group(2))
             p = _PREFIX.search(line)
@@ -236,7 +236,7 @@ def read(paths: list[Path]) -> Partial:
             msg = p.group("msg").strip()
             if mv:
                 continue
-            ma = _ALGO.search(msg)
+            ma = _ALGO.search(msg) if "NCCL_ALGO" in msg else None
             if ma:
                 algos.append(ma.group(1))
             c = _COLL.match(msg)
@@ -246,7 +246,7 @@ def read(paths: list[Path]) -> Partial:
                     recs.append(rec)
                     last_coll[(host, pid, p.group("tid"))] = rec
                 continue
-            mt = _TUNING.search(msg)
+            mt = _TUNING.search(msg) if "Bytes ->" in msg else None
             if mt:
                 rec = last_coll.get((host, pid, p.group("tid")))
                 # nBytes is count x size, times nranks for all_gather / reduce_scatter (enqueue.cc)
