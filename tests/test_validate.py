@@ -432,18 +432,31 @@ def crc16_vcrc(data: bytes) -> int:
     return c ^ 0xFFFF
 
 
-def ib_frame(opcode, psn, dqpn, payload=b"", ext=b"", dlid=3, slid=7, vl=0, sl=2) -> bytes:
-    """LRH (LNH 2) + BTH + ext + payload + pad + ICRC + VCRC, from the IBTA layout."""
+SGID = bytes.fromhex("fe800000000000000002c90300001111")
+DGID = bytes.fromhex("fe800000000000000002c90300002222")
+
+
+def ib_frame(opcode, psn, dqpn, payload=b"", ext=b"", dlid=3, slid=7, vl=0, sl=2,
+             grh=False) -> bytes:
+    """LRH (LNH 2, or 3 with a GRH) + BTH + ext + payload + pad + ICRC + VCRC (IBTA layout)."""
     pad = -len(payload) & 3
     body = struct.pack(">BBHI", opcode, 0x40 | (pad << 4), 0xFFFF, dqpn)
     body += struct.pack(">I", psn) + ext + payload + bytes(pad)
-    words = (8 + len(body) + 4) // 4
-    lrh = struct.pack(">BBHHH", (vl << 4), (sl << 4) | 2, dlid, words, slid)
-    masked = bytearray(lrh + body)
-    masked[0] |= 0xF0          # VL
-    masked[8 + 4] = 0xFF       # BTH FECN, BECN, reserved
+    g = b""
+    if grh:  # IPVer 6, TClass 0x0a, FlowLabel 0x12345, PayLen, NxtHdr 0x1B, HopLmt 9
+        g = struct.pack(">IHBB", (6 << 28) | (0x0A << 20) | 0x12345, len(body) + 4, 0x1B, 9)
+        g += SGID + DGID
+    words = (8 + len(g) + len(body) + 4) // 4
+    lrh = struct.pack(">BBHHH", (vl << 4), (sl << 4) | (3 if grh else 2), dlid, words, slid)
+    masked = bytearray(lrh + g + body)
+    masked[0] |= 0xF0                      # VL
+    if grh:
+        masked[8] |= 0x0F                  # TClass (low nibble of byte 0, high of byte 1)
+        masked[9:12] = b"\xff\xff\xff"      # TClass, FlowLabel
+        masked[15] = 0xFF                  # HopLmt
+    masked[8 + len(g) + 4] = 0xFF          # BTH FECN, BECN, reserved
     icrc = zlib.crc32(bytes(masked)) & 0xFFFFFFFF
-    pkt = lrh + body + struct.pack("<I", icrc)
+    pkt = lrh + g + body + struct.pack("<I", icrc)
     return pkt + struct.pack("<H", crc16_vcrc(pkt))
 
 
@@ -506,3 +519,40 @@ def test_native_ib_vcrc_and_icrc_faults(tmp_path):
     frames[0] = bytes([frames[0][0] | 0x30]) + frames[0][1:]
     rep = validate_capture(erf_file(tmp_path / "vl.erf", frames))
     only(rep, "vcrc")
+
+
+def test_native_ib_with_grh(tmp_path):
+    frames = [ib_frame(0x04, 1, 0x77, data(100), grh=True),
+              ib_frame(0x04, 2, 0x77, data(9, 1), grh=True)]
+    path = erf_file(tmp_path / "grh.erf", frames)
+    rep = validate_capture(path)
+    assert rep.ok and rep.checked["icrc"] == 2 and rep.checked["vcrc"] == 2, rep.as_dict()
+    c = read_packets(path)
+    assert c["bth_offset"].tolist() == [48, 48]
+    assert [format_address(a) for a in c["src_addr"]] == ["fe80::2:c903:0:1111"] * 2
+    assert [format_address(a) for a in c["dst_addr"]] == ["fe80::2:c903:0:2222"] * 2
+    assert c["payload_len"].tolist() == [100, 9] and c["frame_len"].tolist() == [len(f) for f in frames]
+    # the GRH hop limit is outside the ICRC but inside the VCRC
+    f = bytearray(frames[1])
+    f[15] = 1
+    rep = validate_capture(erf_file(tmp_path / "grh2.erf", [frames[0], bytes(f)]))
+    only(rep, "vcrc")
+    shown = subprocess.run([tshark(), "-r", str(path), "-T", "fields", "-e", "infiniband.grh.sgid",
+                            "-e", "infiniband.grh.dgid", "-e", "infiniband.bth.psn"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert shown == ["fe80::2:c903:0:1111", "fe80::2:c903:0:2222", "1",
+                     "fe80::2:c903:0:1111", "fe80::2:c903:0:2222", "2"]
+
+
+def test_packets_table_columns(tmp_path):
+    from wiretrace.tables import column_names, numpy_dtype
+    from wiretrace.transport.parse import as_packets
+
+    path = write_pcap(tmp_path / "good.pcap", good_frames())
+    p = as_packets(read_packets(path))
+    assert list(p) == column_names("packets")
+    for name, col in p.items():
+        assert col.dtype == numpy_dtype("packets", name), name
+    assert p["msg_id"].tolist() == [-1] * 18 and p["src_nic"].tolist() == [-1] * 18
+    assert p["opcode"].tolist() == GOOD_FIELDS["opcode"]
+    assert p["payload_len"].tolist() == GOOD_FIELDS["payload_len"]

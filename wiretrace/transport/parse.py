@@ -181,7 +181,7 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
         pos = np.full(len(r_eth), 12, dtype=np.int64)
         t = _be16(rows[r_eth], pos)
         for _ in range(2):  # up to two tags (802.1ad outer, 802.1Q inner)
-            tagged = ((t == H.ETHERTYPE_VLAN) | (t == _ETHERTYPE_QINQ)) & (cap[r_eth] >= pos + 6 + 2)
+            tagged = ((t == H.ETHERTYPE_VLAN) | (t == _ETHERTYPE_QINQ)) & (cap[r_eth] >= pos + 6)
             if not tagged.any():
                 break
             sel = np.nonzero(tagged)[0]
@@ -370,6 +370,27 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
     out["frame_len"][:] = flen
     out["complete"][:] = np.where(roce, kc >= l3[keep] + ip_len[keep],
                                   kc >= ip_len[keep] + H.VCRC_LEN) & (ip_len[keep] >= 0)
+    return out
+
+
+def as_packets(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Columns of the packets table (schemas/packets.schema.json) from :func:`parse_frames`.
+
+    A capture does not say which message or NIC index a frame belongs to: ``msg_id``,
+    ``src_nic`` and ``dst_nic`` are -1, as the schema prescribes for foreign captures.
+    ``udp_sport`` is -1 for native InfiniBand. Fields of headers that were not captured keep
+    the fill values of :data:`COLUMNS`.
+    """
+    from ..tables import column_names, numpy_dtype
+
+    n = len(cols["row"])
+    out = {}
+    for name in column_names("packets"):
+        dt = numpy_dtype("packets", name)
+        if name in cols:
+            out[name] = cols[name].astype(dt)
+        else:  # msg_id, src_nic, dst_nic
+            out[name] = np.full(n, -1, dtype=dt)
     return out
 
 

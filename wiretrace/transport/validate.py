@@ -264,7 +264,10 @@ def _check_crcs(batch, cols, rep: Report) -> None:
     longest = int((cols["ip_len"][complete].astype(np.int64) + H.VCRC_LEN).max())
     data = np.concatenate([batch.data, np.zeros(longest + 1, dtype=np.uint8)])
     for kind in (KIND_ROCE_V4, KIND_ROCE_V6, KIND_IB, KIND_IB_GRH):
-        sel = np.nonzero(complete & (cols["kind"] == kind))[0]
+        sel = complete & (cols["kind"] == kind)
+        if kind == KIND_ROCE_V4:  # RoCEv2 carries no IP options; the ICRC mask assumes none
+            sel &= cols["bth_offset"] - cols["l3_offset"] == H.IPV4.length + H.UDP.length
+        sel = np.nonzero(sel)[0]
         if not len(sel):
             continue
         start = batch.offsets[cols["row"][sel]] + cols["l3_offset"][sel].astype(np.int64)
