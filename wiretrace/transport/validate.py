@@ -395,8 +395,7 @@ class _Stream:
     msg_sum: int = 0             # payload bytes of the open message so far
     msg_dma: int = -1            # RETH DMA length of the open message (-1 none)
     msg_psn: int = -1            # PSN of the open message's first packet
-    msg_frame: int = 0
-    last_psn: int = -1           # responses: last PSN
+    last_psn: int = -1           # last PSN of a packet that is not an ACK
     last_msn: int = -1           # responses: last MSN
     last_ack_psn: int = -1
 
@@ -475,6 +474,20 @@ class _StreamChecker:
             out[fi] = [getattr(self.streams[g], carried_attr) for g in gid[fi]]
             return out
 
+        # previous packet of the same stream among the rows of ``mask`` (others get ``fill``)
+        def prev_among(mask, values, carried_attr, fill):
+            out = np.full(n, fill, dtype=np.int64)
+            sub = np.nonzero(mask)[0]
+            if len(sub):
+                g = gid[sub]
+                head = np.ones(len(sub), dtype=bool)
+                head[1:] = g[1:] != g[:-1]
+                v = np.empty(len(sub), dtype=np.int64)
+                v[1:] = values[sub][:-1]
+                v[head] = [getattr(self.streams[x], carried_attr) for x in g[head]]
+                out[sub] = v
+            return out
+
         # PSNs consumed by each request packet: 1, or one per response for a READ request
         consumed_lo = np.ones(n, dtype=np.int64)
         consumed_hi = np.ones(n, dtype=np.int64)
@@ -513,14 +526,15 @@ class _StreamChecker:
             rep.add(frame[bad], qp[bad], "psn", psn_messages())
 
         # -- opcode sequences (requests and READ responses) -------------------------------------
-        ppos = prev(pos, "pos")
-        pfam = prev(fam, "fam")
+        # an ACK takes no part in the message structure: look through ACKs for the previous
+        # packet of a READ response
+        ack = fam == FAM_ACK
+        ppos = prev_among(~ack, pos, "pos", POS_NONE)
+        pfam = prev_among(~ack, fam, "fam", FAM_NONE)
         seq = pos > 0
         rep.checked["opcode_sequence"] += int(seq.sum())
         open_before = np.isin(ppos, (POS_FIRST, POS_MIDDLE))
         continues = np.isin(pos, (POS_MIDDLE, POS_LAST))
-        # an ACK does not take part in request/response message structure
-        ack = fam == FAM_ACK
         bad_start = seq & ~ack & ~continues & open_before
         bad_cont = seq & continues & (ppos != POS_NONE) & ~open_before
         bad_mix = seq & continues & open_before & (pfam != fam)
@@ -553,10 +567,9 @@ class _StreamChecker:
         carried_sum = np.zeros(len(seg_first), dtype=np.int64)
         carried_dma = np.full(len(seg_first), -1, dtype=np.int64)
         carried_psn = np.full(len(seg_first), -1, dtype=np.int64)
-        for k, i in enumerate(seg_first):
-            if not starts[i]:
-                st = self.streams[gid[i]]
-                carried_sum[k], carried_dma[k], carried_psn[k] = st.msg_sum, st.msg_dma, st.msg_psn
+        for k in np.nonzero(~starts[seg_first])[0]:  # only a stream's first rows can continue
+            st = self.streams[gid[seg_first[k]]]
+            carried_sum[k], carried_dma[k], carried_psn[k] = st.msg_sum, st.msg_dma, st.msg_psn
         upto = upto + carried_sum[seg]
         seg_dma = np.where(starts[seg_first], dma[seg_first], carried_dma)[seg]
         seg_psn = np.where(starts[seg_first], psn[seg_first], carried_psn)[seg]
@@ -580,7 +593,7 @@ class _StreamChecker:
                 int(dma[i]), int(frame[i]))
         rr = fam == FAM_READ_RESP
         if rr.any():
-            pr_psn = prev(psn, "last_psn")
+            pr_psn = prev_among(~ack, psn, "last_psn", -1)
             cont = rr & np.isin(pos, (POS_MIDDLE, POS_LAST)) & (pr_psn >= 0) & open_before
             bad = np.nonzero(cont & ((psn - pr_psn) % PSN_MOD != 1))[0]
             if len(bad):
@@ -646,12 +659,9 @@ class _StreamChecker:
                 st.last_msn, st.last_ack_psn = int(msn[ai[k]]), int(psn[ai[k]])
 
         # -- carry the state of each stream's last packet ---------------------------------------
-        for i in np.nonzero(last)[0]:
+        for i in np.nonzero(last & req)[0]:
             st = self.streams[gid[i]]
-            if req[i]:
-                st.next_psn, st.next_psn_hi = int(nxt[i]), int(nxt_hi[i])
-            else:
-                st.last_psn = int(psn[i])
+            st.next_psn, st.next_psn_hi = int(nxt[i]), int(nxt_hi[i])
         # message state from each stream's last packet that takes part in messages (not an ACK)
         mi = np.nonzero(~ack)[0]
         if len(mi):
@@ -659,7 +669,7 @@ class _StreamChecker:
             m_last[:-1] = gid[mi][1:] != gid[mi][:-1]
             for i in mi[m_last]:
                 st = self.streams[gid[i]]
-                st.pos, st.fam = int(pos[i]), int(fam[i])
+                st.pos, st.fam, st.last_psn = int(pos[i]), int(fam[i]), int(psn[i])
                 if pos[i] in (POS_FIRST, POS_MIDDLE):
                     st.msg_sum, st.msg_dma, st.msg_psn = (int(upto[i]), int(seg_dma[i]),
                                                           int(seg_psn[i]))
