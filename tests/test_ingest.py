@@ -503,3 +503,15 @@ def test_nccl_tests_run_with_nccl_debug_info_keeps_rings_and_transports(tmp_path
     assert sorted(got.complete_rings()) == [0, 1, 2, 3, 4]
     assert got.transports[(5, 12)] == "NET/IB"
     assert "peak busbw 41.31 GB/s at 32.00 MiB" in format_report(got.report)
+
+
+def test_same_size_communicators_doing_the_same_calls_stay_apart(tmp_path):
+    # 8 GPUs, tensor parallel 2: four 2-rank communicators issue identical calls at each opCount
+    line = ("h{g}:{pid}:{pid} [{g}] NCCL INFO AllReduce: opCount {oc} sendbuff 0x1 recvbuff 0x1 count 4096 "
+            "datatype 9 op 0 root 0 comm 0x{pid}c [nranks=2] stream 0x3")
+    lines = [line.format(g=g, pid=100 + g, oc=oc) for oc in ("0", "1", "2") for g in (3, 0, 6, 1, 2, 7, 5, 4)]
+    got = read_schedule(_log(tmp_path, "tp.log", lines))
+    assert got.table.num_rows == 12 and {x["bytes_global"] for x in rows(got)} == {8192}
+    comms = got.report["communicators"]
+    assert len(comms) == 4 and {c["processes"] for c in comms} == {2} and {c["calls"] for c in comms} == {3}
+    assert got.report["mismatches"] == []

@@ -179,7 +179,7 @@ def _merge(parts: list[Partial], paths: list[Path]) -> ScheduleRead:
         ngroups = max([g + 1 for g in part.rows.cols["group"]] + [len(part.communicators)] + [0])
         offset += ngroups
         unknown += part.unknown_sizes
-        notes += part.notes
+        notes += [n for n in part.notes if n not in notes]
         files += part.files
         skipped += [s.as_dict() for s in part.skipped]
         if part.rings and not rings:
@@ -260,6 +260,9 @@ def format_report(report: dict, max_skipped: int = 10) -> str:
     ranks = report.get("ranks") or []
     if ranks:
         out.append(f"ranks          {len(ranks):,} (world size {report.get('world_size')})")
+    hosts = report.get("hosts") or []
+    if hosts:
+        out.append(f"hosts          {len(hosts)} ({', '.join(hosts[:6])}{', ...' if len(hosts) > 6 else ''})")
     comms = report.get("communicators", [])
     if comms:
         out.append(f"communicators  {len(comms)}")
@@ -292,8 +295,11 @@ def format_report(report: dict, max_skipped: int = 10) -> str:
         out.append(f"unknown size   {len(unk)} calls (bytes -1 in the table)")
         for u in unk[:5]:
             out.append(f"  {u['source']}: {u['reason']}")
-    for note in report.get("notes", [])[:10]:
+    notes = report.get("notes", [])
+    for note in notes[:10]:
         out.append(f"note           {note}")
+    if len(notes) > 10:
+        out.append(f"               ... {len(notes) - 10} more notes")
     sk = report.get("skipped", [])
     for f in report.get("files", []):
         if f.get("format") == "nccl-tests" and f.get("op"):

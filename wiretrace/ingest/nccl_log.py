@@ -35,7 +35,10 @@ A process knows its communicator only by a pointer, different in every process. 
 ``(host, pid, device, comm pointer)`` are joined into communicators by, in order: the ``commId``
 of their init lines; otherwise, among handles with the same ``nranks``, (a) all of them when no
 GPU holds two handles of that size, and (b) handles that logged the same ``(opCount, op, count,
-datatype)`` (never two handles of one GPU). A call is then ``(communicator, opCount)``; several
+datatype)``, as long as a communicator of ``nranks`` ranks gets at most ``nranks`` GPUs, never
+one GPU twice and never two handles of one known rank (so that four 2-rank tensor-parallel
+groups issuing identical calls stay four communicators, although which GPUs pair up is then a
+guess). A call is then ``(communicator, opCount)``; several
 lines of one handle at one opCount (calls fused in a group) are matched by their order.
 Ranks that disagree about the op, count or datatype of one call are a schedule mismatch
 (``report["mismatches"]``); the row keeps the variant most ranks logged.
@@ -151,14 +154,21 @@ def _hexint(text: str) -> int | None:
 
 
 class _UnionFind:
+    """Handles joined into communicators. A communicator of n ranks holds at most n GPUs, never
+    one GPU twice, and never two handles that know the same rank."""
+
     def __init__(self) -> None:
         self.parent: dict = {}
         self.slots: dict = {}
+        self.ranks: dict = {}
+        self.size: dict = {}
 
-    def add(self, h, slot) -> None:
+    def add(self, h, slot, nranks: int, rank: int | None) -> None:
         if h not in self.parent:
             self.parent[h] = h
             self.slots[h] = {slot}
+            self.ranks[h] = {rank} if rank is not None else set()
+            self.size[h] = nranks
 
     def find(self, h):
         while self.parent[h] != h:
@@ -170,10 +180,12 @@ class _UnionFind:
         ra, rb = self.find(a), self.find(b)
         if ra == rb:
             return True
-        if self.slots[ra] & self.slots[rb]:
-            return False  # one GPU cannot hold two ranks of one communicator
+        if self.slots[ra] & self.slots[rb] or self.ranks[ra] & self.ranks[rb] \
+                or len(self.slots[ra]) + len(self.slots[rb]) > self.size[ra]:
+            return False
         self.parent[rb] = ra
         self.slots[ra] |= self.slots.pop(rb)
+        self.ranks[ra] |= self.ranks.pop(rb)
         return True
 
 
@@ -504,23 +516,23 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: dict[str, str],
         if cid:
             comm_of[h] = ("id", cid)
         else:
-            uf.add(h, slot(r))
+            rank = r.get("globalrank", init.get((r["host"], r["pid"], r["comm"]), {}).get("rank"))
+            uf.add(h, slot(r), r["nranks"], rank)
             by_size[r["nranks"]][slot(r)].add(h)
     for n, slots in by_size.items():
         if all(len(hs) == 1 for hs in slots.values()) and len(slots) <= n:
             hs = [next(iter(v)) for v in slots.values()]
             for h in hs[1:]:
                 uf.union(hs[0], h)
-    seen_sig: dict[tuple, tuple] = {}
+    seen_sig: dict[tuple, list] = {}
     for r in recs:
         h = handle(r)
         if h in comm_of or r["op"] in ("send", "recv"):
             continue
         sig = (r["nranks"], r["opcount"], r["op"], r["count"], r["dtype"])
-        if sig in seen_sig:
-            uf.union(seen_sig[sig], h)
-        else:
-            seen_sig[sig] = h
+        groups = seen_sig.setdefault(sig, [])
+        if not any(uf.find(g) == uf.find(h) for g in groups) and not any(uf.union(g, h) for g in groups):
+            groups.append(h)
     for r in recs:
         h = handle(r)
         if h not in comm_of:
