@@ -440,3 +440,24 @@ def test_uneven_pipeline_layers_from_plan():
     with pytest.raises(Exception, match="not divisible"):
         mkplan({"pp": 4, "decoder_first_pipeline_num_layers": 1, "decoder_last_pipeline_num_layers": 2},
                model=dict(SMALL, num_hidden_layers=8), gpus=4)
+
+
+def test_ep_with_tp_and_sequence_parallel():
+    """Megatron-LM ``MoEAlltoAllTokenDispatcher`` with tp > 1 (sequence parallel): the all-to-all
+    moves this rank's s/tp tokens, then the received tokens are all-gathered over TP
+    (``gather_from_sequence_parallel_region``) and reduce-scattered before the combine
+    (``reduce_scatter_to_sequence_parallel_region``); the MoE MLP has no other TP collective."""
+    plan = mkplan({"tp": 2, "dp": 4, "ep": 4, "sequence_parallel": True}, model=MOE)
+    t = build_collectives(plan)
+    m = plan.num_microbatches
+    tokens = B * S // 2
+    a2a = tokens * 2 * H * 2
+    assert {r["bytes_per_rank"] for r in rows(t, op="all_to_all")} == {a2a}
+    g0 = [r for r in rows(t, group=0) if r["layer"] == 0 and r["phase"] == "forward"]
+    assert [(r["op"], r["tensor"]) for r in g0 if r["microbatch"] == 0] == [
+        ("all_gather", "attn.qkv_proj.input"), ("reduce_scatter", "attn.out_proj.activation"),
+        ("all_gather", "moe.dispatch.tp_gather"), ("reduce_scatter", "moe.combine.tp_scatter")]
+    gath = rows(t, tensor="moe.dispatch.tp_gather")
+    assert {(r["bytes_global"], r["bytes_per_rank"]) for r in gath} == {(2 * a2a, a2a)}
+    assert len(gath) == 4 * m * 4          # 4 MoE layers, m micro-batches, 4 TP groups
+    assert not rows(t, tensor="mlp.down_proj.activation")

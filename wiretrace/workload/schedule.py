@@ -41,8 +41,10 @@ What each parallelism exchanges (sources in the function docstrings):
   dK/dV.
 * **EP** (``megatron/core/transformer/moe/token_dispatcher.py``, all-to-all dispatcher): per MoE layer
   and micro-batch an all-to-all dispatch and combine forward and both again backward, each rank
-  sending ``tokens x top-k x h`` elements (padded to ``capacity_factor`` x the even share per expert).
-  Expert gradients are reduced over the expert data-parallel group.
+  sending ``tokens x top-k x h`` elements (padded to ``capacity_factor`` x the even share per expert);
+  with TP (and SP, which Megatron-LM requires for MoE with TP) the dispatcher all-gathers the
+  received tokens over TP and reduce-scatters them before the combine, in place of the MLP's own
+  all-gather / reduce-scatter. Expert gradients are reduced over the expert data-parallel group.
 * **Recompute** ``full`` replays each layer's forward collectives at the start of its backward.
 """
 
@@ -145,7 +147,7 @@ class Workload:
         """(rate bits/s, latency ns) of a communicator family: NVLink when every group of the
         family stays inside one node, else the NIC."""
         if family not in self._link:
-            g = self.groups.family(family) if family != "pp_pair" else self.groups.pp
+            g = self.groups.family({"pp_pair": "pp", "cp_ring": "cp"}.get(family, family))
             nodes = g // self.plan.cluster.gpus_per_node
             intra = bool(np.all(nodes == nodes[:, :1]))
             c = self.plan.cluster
@@ -283,15 +285,24 @@ class Workload:
             self._cp_forward(coll, fl["attn_core"] / f_ns, layer, prefix, clock, compute)
             work(proj * (1 - qkv_frac))
             tp_reduce(prefix + "attn.out_proj.activation", layer)
-            sp_gather(prefix + "mlp.up_proj.input", layer)
-            if m.is_moe_layer(layer) and self.ep > 1:
+            moe_ep = m.is_moe_layer(layer) and self.ep > 1
+            if moe_ep:
+                # token dispatcher: all-to-all over EP of the s/tp tokens of this rank, then (SP)
+                # all-gather over TP of what arrived; mirror image on the way back
                 a2a = self.a2a_bytes_per_rank()
                 coll("ep", "all_to_all", "ep", prefix + "moe.dispatch", a2a * self.ep, a2a, ad, layer, self.ep)
+                if sp:
+                    coll("tp", "all_gather", "sp", prefix + "moe.dispatch.tp_gather", a2a * tp, a2a, ad, layer, tp)
                 work(fl["mlp"] / f_ns)
+                if sp:
+                    coll("tp", "reduce_scatter", "sp", prefix + "moe.combine.tp_scatter", a2a * tp, a2a, ad, layer, tp)
                 coll("ep", "all_to_all", "ep", prefix + "moe.combine", a2a * self.ep, a2a, ad, layer, self.ep)
+                if not sp:
+                    tp_reduce(prefix + "mlp.down_proj.activation", layer)
             else:
+                sp_gather(prefix + "mlp.up_proj.input", layer)
                 work(fl["mlp"] / f_ns)
-            tp_reduce(prefix + "mlp.down_proj.activation", layer)
+                tp_reduce(prefix + "mlp.down_proj.activation", layer)
 
         grad_ready: dict = {}
         if kind == "F":
@@ -330,17 +341,22 @@ class Workload:
                     work(fl["attn_core"] / f_ns)
                 proj = fl["attn_proj"] / f_ns
                 # MLP backward
-                sp_gather("mlp.down_proj.activation_grad", layer)
                 if m.is_moe_layer(layer) and self.ep > 1:
                     a2a = self.a2a_bytes_per_rank()
                     coll("ep", "all_to_all", "ep", "moe.combine_grad", a2a * self.ep, a2a, ad, layer, self.ep)
-                    sp_gather("mlp.up_proj.input", layer, wait=False)
+                    if sp:
+                        coll("tp", "all_gather", "sp", "moe.combine_grad.tp_gather", a2a * tp, a2a, ad, layer, tp)
                     work(2 * fl["mlp"] / f_ns)
+                    if sp:
+                        coll("tp", "reduce_scatter", "sp", "moe.dispatch_grad.tp_scatter", a2a * tp, a2a, ad, layer, tp)
                     coll("ep", "all_to_all", "ep", "moe.dispatch_grad", a2a * self.ep, a2a, ad, layer, self.ep)
+                    if not sp:
+                        tp_reduce("mlp.up_proj.input_grad", layer)
                 else:
+                    sp_gather("mlp.down_proj.activation_grad", layer)
                     sp_gather("mlp.up_proj.input", layer, wait=False)
                     work(2 * fl["mlp"] / f_ns)
-                tp_reduce("mlp.up_proj.input_grad", layer)
+                    tp_reduce("mlp.up_proj.input_grad", layer)
                 # attention backward
                 sp_gather("attn.out_proj.activation_grad", layer)
                 qkv_frac = (m.q_size + 2 * m.kv_size) / (2 * m.q_size + 2 * m.kv_size)
