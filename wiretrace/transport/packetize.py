@@ -1,0 +1,498 @@
+"""Messages -> packets: segmentation at the path MTU, PSNs, ACKs, RDMA READ, ECN marks and CNPs.
+
+Every rule below is applied to whole columns (``np.repeat``/``cumsum`` over messages and packets),
+never in a Python loop per packet or per message.
+
+* **Segmentation** (IBTA vol. 1 9.7.7): a message of ``B`` bytes becomes ``max(1, ceil(B / MTU))``
+  packets; FIRST and MIDDLE carry exactly the path MTU, LAST the rest, ONLY 0..MTU; the payload is
+  padded to 4 bytes (BTH PadCnt). The bytes carried are the message's ``wire_bytes`` (its payload
+  with the NCCL protocol's overhead).
+* **Verbs**: ``write_imm`` RDMA WRITE FIRST (RETH) / MIDDLE / LAST WITH IMMEDIATE (ImmDt), or
+  WRITE ONLY WITH IMMEDIATE (RETH + ImmDt); ``write`` likewise without immediate; ``send`` and
+  ``send_imm`` the SEND forms; ``read`` an RDMA READ REQUEST (RETH, from the data receiver) that
+  consumes as many PSNs as it has responses, then READ RESPONSE FIRST (AETH) / MIDDLE / LAST (AETH)
+  or ONLY (AETH) from the data sender. The RETH DMA length is the message length; ImmDt carries
+  the low 32 bits of ``msg_id`` so that a capture can be joined back to the messages table.
+* **PSN** per requester QP, 24 bits, wrapping, contiguous over the QP's messages in posting order
+  (``t_start_ns``, then ``msg_id``), from ``transport.initial_psn``.
+* **ACKs** (RC ACKNOWLEDGE, AETH): ``transport.ack`` ``"message"`` (default): one per message, sent
+  by the receiver when the message has arrived (``t_end_ns``), acknowledging its last PSN with the
+  message's MSN, AckReq set on the last packet; ``{"every_packets": N}``: AckReq and an ACK on every
+  N-th packet of the QP and on each message's last packet; ``{"window": "2us"}``: at most one ACK
+  per QP per window, when the window closes, for the last message completed in it. The AETH
+  syndrome is an ACK with credit count code :data:`CREDIT_CODE` (IBTA 9.7.5.1.4: 256 receive WQEs,
+  NCCL's ``MAX_REQUESTS``). READ responses acknowledge reads; no separate ACK.
+* **Times**: a message's packets leave its NIC back to back from ``t_start_ns``; each starts at
+  ``t_start_ns + (t_end_ns - latency - t_start_ns) * (wire bytes before it) / (wire bytes of the
+  message)``, wire bytes counting Ethernet's preamble, FCS and inter-frame gap, so that the last
+  bit leaves at ``t_end_ns - latency`` as the timing stage computed.
+* **ECN / CNP** (``transport.ecn_marking``, RoCEv2 only): a seeded ``fraction`` of ECN-capable data
+  packets, or those arriving at the receiver's switch port while its queue (drained at the NIC
+  rate) holds more than ``queue_bytes``, are marked CE; the receiver answers with a CNP (opcode
+  0x81, BECN, DSCP 48, ECT(0), UDP source port 0, PSN 0, 16 reserved bytes: what ConnectX sends,
+  see ``../shared/real/roce_packets``) to the sending QP, at most one per QP per ``cnp_interval``
+  (default 4 us, ConnectX's ``min_time_between_cnps``).
+
+Output is a stream of chunks of the packets table, each sorted by ``ts_ns``, chunks in time order;
+a packet is emitted only once no later message can produce an earlier one, so memory stays
+bounded by the packets in flight, not by the trace.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import WiretraceError
+from ..plan import Plan, parse_duration_ns, parse_size
+from ..topology import Topology
+from . import headers as H
+from . import layout
+from .qp import (PSN_MOD, VERB_CODE, assign_qps, connection_qps, initial_psn, splitmix64, _str_col)
+
+CREDIT_TABLE = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
+                1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+"""AETH credit count codes 0..30 -> receive WQEs (IBTA vol. 1 9.7.5.1.4); 31 means 'invalid'."""
+RQ_DEPTH = 256
+"""Receive WQEs an NCCL receiver keeps posted (``MAX_REQUESTS``, net_ib.cc)."""
+CREDIT_CODE = max(i for i, c in enumerate(CREDIT_TABLE) if c <= RQ_DEPTH)
+ACK_SYNDROME = CREDIT_CODE  # bits 7..5 = 000 (ACK), 4..0 = credit code
+CNP_DSCP = 48
+CNP_ECN = 2
+DEFAULT_CNP_INTERVAL_NS = 4000
+
+# opcode by verb and position (FIRST, MIDDLE, LAST, ONLY)
+_POS_FIRST, _POS_MIDDLE, _POS_LAST, _POS_ONLY = 0, 1, 2, 3
+_OPS = {
+    "write_imm": ("RDMA_WRITE_FIRST", "RDMA_WRITE_MIDDLE", "RDMA_WRITE_LAST_WITH_IMMEDIATE",
+                  "RDMA_WRITE_ONLY_WITH_IMMEDIATE"),
+    "write": ("RDMA_WRITE_FIRST", "RDMA_WRITE_MIDDLE", "RDMA_WRITE_LAST", "RDMA_WRITE_ONLY"),
+    "send": ("SEND_FIRST", "SEND_MIDDLE", "SEND_LAST", "SEND_ONLY"),
+    "send_imm": ("SEND_FIRST", "SEND_MIDDLE", "SEND_LAST_WITH_IMMEDIATE", "SEND_ONLY_WITH_IMMEDIATE"),
+    "read": ("RDMA_READ_RESPONSE_FIRST", "RDMA_READ_RESPONSE_MIDDLE", "RDMA_READ_RESPONSE_LAST",
+             "RDMA_READ_RESPONSE_ONLY"),
+}
+OPCODE_TABLE = np.zeros((len(VERB_CODE), 4), dtype=np.uint8)
+for _v, _names in _OPS.items():
+    OPCODE_TABLE[VERB_CODE[_v]] = [H.opcode("RC_" + n) for n in _names]
+OP_ACK = H.opcode("RC_ACKNOWLEDGE")
+OP_READ_REQUEST = H.opcode("RC_RDMA_READ_REQUEST")
+OP_CNP = H.CNP_OPCODE
+
+_HAS_RETH = np.zeros(256, dtype=bool)
+_HAS_AETH = np.zeros(256, dtype=bool)
+for _c, _o in H.OPCODES.items():
+    _HAS_RETH[_c] = "reth" in _o.ext
+    _HAS_AETH[_c] = "aeth" in _o.ext
+HAS_RETH, HAS_AETH = _HAS_RETH, _HAS_AETH
+
+# internal frame kinds
+K_DATA, K_ACK, K_READ_REQ, K_CNP = 0, 1, 2, 3
+
+PACKET_COLUMNS = ("ts_ns", "msg_id", "src_nic", "dst_nic", "udp_sport", "dest_qp", "psn", "opcode",
+                  "ack_req", "payload_len", "pad", "frame_len", "dscp", "ecn", "dma_len", "msn")
+_DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic": np.int32,
+           "udp_sport": np.int32, "dest_qp": np.int32, "psn": np.int32, "opcode": np.uint8,
+           "ack_req": np.bool_, "payload_len": np.int32, "pad": np.uint8, "frame_len": np.int32,
+           "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32,
+           # internal: frame kind, QPN of the frame's sender, wire time (ns)
+           "_kind": np.uint8, "_src_qpn": np.int32, "_wire_ns": np.int64}
+
+
+def _empty() -> dict[str, np.ndarray]:
+    return {k: np.zeros(0, dtype=t) for k, t in _DTYPES.items()}
+
+
+def _concat(parts: list[dict]) -> dict[str, np.ndarray]:
+    parts = [p for p in parts if len(p["ts_ns"])]
+    if not parts:
+        return _empty()
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in _DTYPES}
+
+
+def _take(cols: dict, sel) -> dict:
+    return {k: v[sel] for k, v in cols.items()}
+
+
+def _ack_policy(plan: Plan) -> tuple[str, int]:
+    a = plan.transport.ack
+    if a in (None, "message"):
+        return "message", 0
+    if isinstance(a, dict):
+        if "every_packets" in a:
+            return "every", int(a["every_packets"])
+        if "window" in a:
+            return "window", max(1, parse_duration_ns(a["window"], "plan $.transport.ack.window"))
+    raise WiretraceError(f"plan $.transport.ack: expected \"message\", {{\"every_packets\": N}} or "
+                         f"{{\"window\": \"2us\"}}, got {a!r}")
+
+
+class _Messages:
+    """Per-message quantities computed once over the whole (sorted) network messages table."""
+
+    def __init__(self, m: dict, topo: Topology, plan: Plan):
+        t = plan.transport
+        self.n = n = len(m["msg_id"])
+        self.msg_id = np.asarray(m["msg_id"], dtype=np.int64)
+        self.src = np.asarray(m["src_nic"], dtype=np.int64)
+        self.dst = np.asarray(m["dst_nic"], dtype=np.int64)
+        self.t_start = np.asarray(m["t_start_ns"], dtype=np.int64)
+        self.t_end = np.asarray(m["t_end_ns"], dtype=np.int64)
+        self.bytes = np.asarray(m["wire_bytes"], dtype=np.int64)
+        if (self.bytes < 0).any():
+            raise WiretraceError(f"messages: negative wire_bytes in msg_id {int(self.msg_id[np.argmax(self.bytes < 0)])}")
+        verbs = _str_col(m["verb"])
+        unknown = sorted(set(np.unique(verbs).tolist()) - set(VERB_CODE))
+        if unknown:
+            raise WiretraceError(f"messages: unknown verb(s) {unknown}; expected one of {', '.join(VERB_CODE)}")
+        self.verb = np.zeros(n, dtype=np.int64)
+        for v, c in VERB_CODE.items():
+            self.verb[verbs == v] = c
+        self.is_read = self.verb == VERB_CODE["read"]
+        self.udp_sport = np.asarray(m["udp_sport"], dtype=np.int32)
+        self.mtu = t.path_mtu
+        self.npk = np.maximum(1, -(-self.bytes // self.mtu))
+
+        qps = connection_qps(m, plan)
+        qp_on_dst = np.asarray(m["qpn"], dtype=np.int64)
+        is_cts = _str_col(m["kind"]) == "cts"
+        qp_on_src = np.where(is_cts, qps["receiver_qpn"], qps["sender_qpn"])
+        self.qp_src, self.qp_dst = qp_on_src, qp_on_dst
+        req_nic = np.where(self.is_read, self.dst, self.src)
+        req_qpn = np.where(self.is_read, qp_on_dst, qp_on_src)
+
+        # PSN and MSN per requester QP, in posting order (rows are sorted by t_start, msg_id)
+        stream = req_nic * (1 << 24) + req_qpn
+        order = np.argsort(stream, kind="stable")
+        s_sorted = stream[order]
+        first = np.r_[True, s_sorted[1:] != s_sorted[:-1]] if n else np.zeros(0, bool)
+        grp_start = np.maximum.accumulate(np.where(first, np.arange(n), 0)) if n else np.zeros(0, np.int64)
+        cum = np.cumsum(self.npk[order]) - self.npk[order]
+        psn_off = np.empty(n, dtype=np.int64)
+        psn_off[order] = cum - cum[grp_start]
+        ordinal = np.empty(n, dtype=np.int64)
+        ordinal[order] = np.arange(n) - grp_start
+        self.stream = stream
+        self.psn_off = psn_off                       # packets of the QP before this message
+        self.psn0 = (initial_psn(req_nic, req_qpn, plan) + psn_off) % PSN_MOD
+        self.msn = (ordinal + 1) % PSN_MOD           # responder's MSN once this message completes
+
+        self.latency = np.int64(topo.latency_ns)
+        self.rate = topo.nic_rate_bps
+        self.base = layout.base_header_len(plan) + layout.trailer_len(plan)
+        self.wire_extra = layout.wire_extra(plan)
+        self.grh = layout.has_grh(self.src, self.dst, topo, plan)
+        self.grh_len = self.grh.astype(np.int64) * H.GRH.length
+
+        # ACKs decided per message (reads are acknowledged by their responses)
+        self.policy, self.policy_arg = _ack_policy(plan)
+        self.ack_msg = ~self.is_read
+        self.ack_ts = self.t_end.copy()
+        if self.policy == "window" and n:
+            w = self.policy_arg
+            bucket = self.t_end // w
+            o = np.lexsort((self.t_end, bucket, stream))
+            last = np.r_[(stream[o][1:] != stream[o][:-1]) | (bucket[o][1:] != bucket[o][:-1]), True]
+            keep = np.zeros(n, dtype=bool)
+            keep[o[last]] = True
+            self.ack_msg &= keep
+            self.ack_ts = (bucket + 1) * w
+        elif self.policy == "every":
+            self.ack_msg[:] = False          # ACKs come from packets, see _expand
+
+        # earliest packet a message can produce, relative to its t_start (read requests go first)
+        self.lookback = np.int64(0)
+        if self.is_read.any():
+            req_bytes = self.base + H.RETH.length + self.wire_extra + H.GRH.length
+            self.lookback = self.latency + np.int64(np.ceil(req_bytes * 8 / self.rate * 1e9)) + 1
+
+        # transport constants of the frames
+        self.kind_ib = t.kind == "ib"
+        self.dscp = 0 if self.kind_ib else t.dscp
+        self.ecn = 0 if self.kind_ib else t.ecn_bits
+
+    def wire_ns(self, frame_len: np.ndarray) -> np.ndarray:
+        return np.ceil((frame_len.astype(np.int64) + self.wire_extra) * 8 / self.rate * 1e9).astype(np.int64)
+
+
+def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted."""
+    sl = slice(lo, hi)
+    npk = M.npk[sl]
+    m = hi - lo
+    total = int(npk.sum())
+    mi = np.repeat(np.arange(m), npk)                       # message of each data packet
+    starts = np.cumsum(npk) - npk
+    k = np.arange(total, dtype=np.int64) - np.repeat(starts, npk)
+    last = k == np.repeat(npk - 1, npk)
+    g = lo + mi                                              # global message index
+    mtu = M.mtu
+    b = M.bytes[g]
+    payload = np.where(last, b - k * mtu, mtu).astype(np.int64)
+    pad = (-payload) & 3
+    pos = np.where(npk[mi] == 1, _POS_ONLY, np.where(k == 0, _POS_FIRST, np.where(last, _POS_LAST, _POS_MIDDLE)))
+    opcode = OPCODE_TABLE[M.verb[g], pos]
+    grh_len = M.grh_len[g]
+    flen = (M.base + H.EXT_LEN[opcode].astype(np.int64) + payload + pad + grh_len)
+
+    # times: spread over [t_start, t_end - latency] in proportion to wire bytes
+    wbytes = flen + M.wire_extra
+    cum = np.cumsum(wbytes)
+    msg_total = cum[starts + npk - 1] - np.r_[0, cum[starts[1:] - 1]] if m else np.zeros(0, np.int64)
+    before = cum - wbytes - np.repeat(cum[starts] - wbytes[starts], npk)
+    span = M.t_end[sl] - M.latency - M.t_start[sl]
+    own = np.ceil(msg_total * 8 / M.rate * 1e9).astype(np.int64)
+    span = np.where(span > 0, span, own)
+    ts = M.t_start[g] + (span[mi] * before) // np.maximum(msg_total[mi], 1)
+
+    psn = (M.psn0[g] + k) % PSN_MOD
+    is_read = M.is_read[g]
+    if M.policy == "every":
+        N = M.policy_arg
+        ack_req = (((M.psn_off[g] + k + 1) % N) == 0) | last
+    else:
+        ack_req = last
+    ack_req = ack_req & ~is_read
+    dma = np.where(HAS_RETH[opcode], b, -1)
+    msn = np.where(HAS_AETH[opcode], np.where(last, M.msn[g], (M.msn[g] - 1) % PSN_MOD), -1)
+    dscp = np.full(total, M.dscp, dtype=np.uint8)
+    ecn = np.full(total, M.ecn, dtype=np.uint8)
+    data = {
+        "ts_ns": ts, "msg_id": M.msg_id[g], "src_nic": M.src[g].astype(np.int32),
+        "dst_nic": M.dst[g].astype(np.int32), "udp_sport": M.udp_sport[g],
+        "dest_qp": M.qp_dst[g].astype(np.int32), "psn": psn.astype(np.int32), "opcode": opcode,
+        "ack_req": ack_req, "payload_len": payload.astype(np.int32), "pad": pad.astype(np.uint8),
+        "frame_len": flen.astype(np.int32), "dscp": dscp, "ecn": ecn, "dma_len": dma,
+        "msn": msn.astype(np.int32), "_kind": np.full(total, K_DATA, np.uint8),
+        "_src_qpn": M.qp_src[g].astype(np.int32), "_wire_ns": M.wire_ns(flen),
+    }
+    parts = [data]
+
+    # RDMA READ requests: from the data receiver to the data sender, before the responses
+    rr = np.nonzero(M.is_read[sl])[0]
+    if len(rr):
+        gr = lo + rr
+        fl = (M.base + H.RETH.length + M.grh_len[gr]).astype(np.int64)
+        wns = M.wire_ns(fl)
+        parts.append({
+            "ts_ns": np.maximum(0, M.t_start[gr] - M.latency - wns), "msg_id": M.msg_id[gr],
+            "src_nic": M.dst[gr].astype(np.int32), "dst_nic": M.src[gr].astype(np.int32),
+            "udp_sport": M.udp_sport[gr], "dest_qp": M.qp_src[gr].astype(np.int32),
+            "psn": M.psn0[gr].astype(np.int32), "opcode": np.full(len(gr), OP_READ_REQUEST, np.uint8),
+            "ack_req": np.zeros(len(gr), bool), "payload_len": np.zeros(len(gr), np.int32),
+            "pad": np.zeros(len(gr), np.uint8), "frame_len": fl.astype(np.int32),
+            "dscp": np.full(len(gr), M.dscp, np.uint8), "ecn": np.full(len(gr), M.ecn, np.uint8),
+            "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32),
+            "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
+            "_wire_ns": wns,
+        })
+
+    # ACKs
+    if M.policy == "every":
+        a = np.nonzero(ack_req)[0]
+        a_ts = ts[a] + data["_wire_ns"][a] + M.latency
+        a_g = g[a]
+        a_psn = psn[a]
+        a_msn = np.where(last[a], M.msn[a_g], (M.msn[a_g] - 1) % PSN_MOD)
+    else:
+        am = np.nonzero(M.ack_msg[sl])[0]
+        a_g = lo + am
+        a_ts = M.ack_ts[a_g]
+        a_psn = (M.psn0[a_g] + M.npk[a_g] - 1) % PSN_MOD
+        a_msn = M.msn[a_g]
+    if len(a_g):
+        na = len(a_g)
+        fl = (M.base + H.AETH.length + M.grh_len[a_g]).astype(np.int64)
+        parts.append({
+            "ts_ns": a_ts.astype(np.int64), "msg_id": M.msg_id[a_g],
+            "src_nic": M.dst[a_g].astype(np.int32), "dst_nic": M.src[a_g].astype(np.int32),
+            "udp_sport": M.udp_sport[a_g], "dest_qp": M.qp_src[a_g].astype(np.int32),
+            "psn": a_psn.astype(np.int32), "opcode": np.full(na, OP_ACK, np.uint8),
+            "ack_req": np.zeros(na, bool), "payload_len": np.zeros(na, np.int32),
+            "pad": np.zeros(na, np.uint8), "frame_len": fl.astype(np.int32),
+            "dscp": np.full(na, M.dscp, np.uint8), "ecn": np.full(na, M.ecn, np.uint8),
+            "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32),
+            "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
+            "_wire_ns": M.wire_ns(fl),
+        })
+    return _concat(parts)
+
+
+class _Marker:
+    """ECN CE marking and CNP generation over packets emitted in time order (state across chunks)."""
+
+    def __init__(self, plan: Plan, topo: Topology, M: _Messages):
+        spec = dict(plan.transport.ecn_marking or {})
+        self.on = bool(spec) and ("fraction" in spec or "queue_bytes" in spec)
+        if self.on and plan.transport.kind != "rocev2":
+            raise WiretraceError("plan $.transport.ecn_marking: ECN marks and CNPs are RoCEv2 features; "
+                                 "kind is \"ib\"")
+        if self.on and plan.transport.ecn_bits == 0:
+            raise WiretraceError("plan $.transport.ecn_marking: data packets are Not-ECT (transport.ecn); "
+                                 "switches only mark ECN-capable packets")
+        self.fraction = float(spec.get("fraction", 0.0))
+        self.queue = parse_size(spec["queue_bytes"], "plan $.transport.ecn_marking.queue_bytes") if "queue_bytes" in spec else None
+        self.interval = (parse_duration_ns(spec["cnp_interval"], "plan $.transport.ecn_marking.cnp_interval")
+                         if "cnp_interval" in spec else DEFAULT_CNP_INTERVAL_NS)
+        self.seed = np.uint64(plan.seed & 0xFFFFFFFFFFFFFFFF)
+        self.rate_Bpns = topo.nic_rate_bps / 8e9
+        self.latency = topo.latency_ns
+        self.base = M.base
+        self.wire_ns = M.wire_ns
+        self.q_state: dict[int, tuple[int, float]] = {}   # dst NIC -> (last arrival ns, backlog incl.)
+        self.cnp_last: dict[int, int] = {}                # (nic, qpn) key -> last CNP bucket
+
+    def mark(self, p: dict) -> dict | None:
+        """Mark CE in place on the data packets of ``p`` (sorted by ts); return the CNPs."""
+        data = np.nonzero((p["_kind"] == K_DATA) & (p["ecn"] != 0))[0]
+        if not len(data):
+            return None
+        ce = np.zeros(len(data), dtype=bool)
+        if self.fraction > 0:
+            key = (p["msg_id"][data].astype(np.uint64) << np.uint64(24)) ^ p["psn"][data].astype(np.uint64)
+            with np.errstate(over="ignore"):
+                h = splitmix64(key ^ splitmix64(np.full(len(data), self.seed, np.uint64)))
+            u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+            ce |= u < self.fraction
+        if self.queue is not None:
+            ce |= self._queue_marks(p, data)
+        rows = data[ce]
+        if not len(rows):
+            return None
+        p["ecn"][rows] = 3
+        return self._cnps(p, rows)
+
+    def _queue_marks(self, p: dict, data: np.ndarray) -> np.ndarray:
+        # Lindley recursion per destination port in closed form:
+        # backlog_n = Y_n - min_{k<=n} Y_k, Y_n = bytes arrived before n - C * arrival_n
+        dst = p["dst_nic"][data].astype(np.int64)
+        arr = p["ts_ns"][data] + self.latency
+        size = p["frame_len"][data].astype(np.float64)
+        order = np.lexsort((arr, dst))
+        d, a, s = dst[order], arr[order], size[order]
+        out = np.zeros(len(data), dtype=bool)
+        bounds = np.flatnonzero(np.r_[True, d[1:] != d[:-1], True])
+        C = self.rate_Bpns
+        for i in range(len(bounds) - 1):          # one iteration per destination NIC in the chunk
+            lo, hi = bounds[i], bounds[i + 1]
+            nic = int(d[lo])
+            t0, q0 = self.q_state.get(nic, (int(a[lo]), 0.0))
+            aa = np.r_[t0, a[lo:hi]].astype(np.float64) - t0
+            ss = np.r_[q0, s[lo:hi]]
+            Y = (np.cumsum(ss) - ss) - C * aa
+            backlog = Y - np.minimum.accumulate(Y)
+            out[order[lo:hi]] = backlog[1:] > self.queue
+            self.q_state[nic] = (int(a[hi - 1]), float(backlog[-1] + ss[-1]))
+        return out
+
+    def _cnps(self, p: dict, rows: np.ndarray) -> dict | None:
+        ts = p["ts_ns"][rows] + p["_wire_ns"][rows] + self.latency
+        nic = p["dst_nic"][rows].astype(np.int64)
+        qpn = p["_src_qpn"][rows].astype(np.int64)
+        key = nic * (1 << 24) + qpn
+        bucket = ts // self.interval
+        o = np.lexsort((ts, bucket, key))
+        k2, b2 = key[o], bucket[o]
+        first = np.r_[True, (k2[1:] != k2[:-1]) | (b2[1:] != b2[:-1])]
+        sel = o[first]
+        keep = np.ones(len(sel), dtype=bool)
+        for j, (kk, bb) in enumerate(zip(key[sel].tolist(), bucket[sel].tolist())):
+            if self.cnp_last.get(kk, -1) >= bb:
+                keep[j] = False
+            else:
+                self.cnp_last[kk] = bb
+        sel = sel[keep]
+        if not len(sel):
+            return None
+        r = rows[sel]
+        n = len(r)
+        fl = np.full(n, self.base + H.CNP.length, dtype=np.int64)
+        return {
+            "ts_ns": ts[sel], "msg_id": p["msg_id"][r], "src_nic": p["dst_nic"][r],
+            "dst_nic": p["src_nic"][r], "udp_sport": np.zeros(n, np.int32),
+            "dest_qp": p["_src_qpn"][r], "psn": np.zeros(n, np.int32),
+            "opcode": np.full(n, OP_CNP, np.uint8), "ack_req": np.zeros(n, bool),
+            "payload_len": np.zeros(n, np.int32), "pad": np.zeros(n, np.uint8),
+            "frame_len": fl.astype(np.int32), "dscp": np.full(n, CNP_DSCP, np.uint8),
+            "ecn": np.full(n, CNP_ECN, np.uint8), "dma_len": np.full(n, -1, np.int64),
+            "msn": np.full(n, -1, np.int32), "_kind": np.full(n, K_CNP, np.uint8),
+            "_src_qpn": p["dest_qp"][r], "_wire_ns": self.wire_ns(fl),
+        }
+
+
+def _sorted(p: dict) -> dict:
+    # time, then a fixed tie order (kind, sender, PSN) so that output does not depend on chunking
+    o = np.lexsort((p["psn"], p["src_nic"], p["_kind"], p["ts_ns"]))
+    return _take(p, o)
+
+
+def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1 << 19
+              ) -> Iterator[dict[str, np.ndarray]]:
+    """Packets of the network messages, as time-ordered chunks of the packets table.
+
+    Parameters
+    ----------
+    messages : messages-table columns (any order; nvlink rows are ignored). Timed
+        (``t_start_ns``/``t_end_ns``); ``verb``/``qpn``/``udp_sport`` are assigned with
+        :func:`~wiretrace.transport.assign_qps` when missing (``qpn`` < 0).
+    topo : cluster (NIC rate for serialization, latency, addresses).
+    plan : ``transport`` (kind, path MTU, verb, ACK policy, DSCP/ECN, ECN marking, initial PSN),
+        ``collectives.qps_per_connection``, ``seed``.
+    chunk_packets : about how many packets each expansion step produces (memory bound).
+
+    Yields
+    ------
+    dict of column -> ``(n,)`` array with the columns of ``schemas/packets.schema.json``; each chunk
+    sorted by ``ts_ns`` and every chunk's first ``ts_ns`` >= the previous chunk's last.
+
+    Raises
+    ------
+    WiretraceError : unknown verb, negative sizes, inconsistent ACK policy or ECN settings.
+    """
+    link = _str_col(messages["link"])
+    net = np.nonzero(link == "network")[0]
+    m = {k: np.asarray(v)[net] for k, v in messages.items()}
+    if len(net) and (np.asarray(m["qpn"]) < 0).any():
+        m = assign_qps(m, topo, plan)
+    order = np.lexsort((m["msg_id"], m["t_start_ns"])) if len(net) else np.zeros(0, np.int64)
+    m = {k: np.asarray(v)[order] for k, v in m.items()}
+    M = _Messages(m, topo, plan)
+    marker = _Marker(plan, topo, M)
+    if M.n == 0:
+        return
+
+    csum = np.cumsum(M.npk + 2)
+    pending = _empty()
+    lo = 0
+    while lo < M.n:
+        base = csum[lo - 1] if lo else 0
+        hi = int(np.searchsorted(csum, base + chunk_packets, side="right"))
+        hi = max(hi, lo + 1)
+        # messages starting at the same ns go together so the boundary below is strict
+        if hi < M.n:
+            hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
+        new = _expand(M, lo, hi)
+        pool = _concat([pending, new])
+        boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
+        lo = hi
+        if boundary is None:
+            out, pending = pool, _empty()
+        else:
+            now = pool["ts_ns"] < boundary
+            out, pending = _take(pool, now), _take(pool, ~now)
+        if not len(out["ts_ns"]):
+            continue
+        out = _sorted(out)
+        cnp = marker.mark(out) if marker.on else None
+        if cnp is not None:
+            # CNPs answer packets of this batch; the early ones join it, the rest wait
+            early = cnp["ts_ns"] < boundary if boundary is not None else np.ones(len(cnp["ts_ns"]), bool)
+            out = _sorted(_concat([out, _take(cnp, early)]))
+            pending = _concat([pending, _take(cnp, ~early)])
+        yield {k: out[k] for k in PACKET_COLUMNS}
+
+
+__all__ = ["packetize", "PACKET_COLUMNS", "OPCODE_TABLE", "CREDIT_CODE", "ACK_SYNDROME"]

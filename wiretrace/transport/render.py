@@ -1,0 +1,343 @@
+"""Packets table -> frame bytes: RoCEv2 (Ethernet [802.1Q] IPv4/IPv6 UDP) or native IB (LRH [GRH]).
+
+Frames are written column by column into one ``(n, width)`` uint8 array of *slots* (one row per
+frame, wide enough for the longest captured frame, optionally preceded by ``prefix`` bytes for
+the capture format's record header), so that a capture writer can fill its record headers in the
+same array and hand the rows to the kernel without another copy (:func:`slot_pieces`).
+
+What goes on the wire (sources in brackets):
+
+* Ethernet: the NICs' MACs from the topology; EtherType 0x0800/0x86DD, or 0x8100 and an 802.1Q
+  tag with ``transport.pcp`` and ``transport.vlan`` [IEEE 802.1Q].
+* IPv4: DSCP/ECN from the packets table, total length, identification = PSN mod 2^16
+  (deterministic), DF set, TTL 64, protocol UDP, header checksum [RFC 791, RFC 1071]. IPv6:
+  traffic class from DSCP/ECN, flow label 0, hop limit 64 [RFC 8200].
+* UDP: source port from the table (one per QP; 0 for CNPs), destination 4791, length, checksum 0
+  [IBTA annex A17.4].
+* BTH: opcode, SE 0, MigReq 1 (0 in CNPs, as ConnectX sends them), PadCnt, TVer 0, P_Key 0xFFFF,
+  BECN in CNPs, DestQP, AckReq, PSN [IBTA 9.2].
+* RETH: VA ``0x7F00_0000_0000 + (msg_id mod 2^16) * 2^24``, R_Key ``0x100000 + dst NIC``, DMA
+  length; ImmDt: the low 32 bits of ``msg_id``; AETH: ACK syndrome with credit count, MSN;
+  CNP: 16 zero bytes [IBTA 9.3, annex A17.9.3].
+* Payload: byte ``i`` of every packet's payload is ``i mod 256`` (deterministic, and constant per
+  payload length so its CRC contribution is computed once); pad bytes 0; ICRC (and VCRC) over the
+  result (:mod:`wiretrace.transport.icrc`).
+* Native IB: LRH (VL 0, SL 0, LNH 2 or 3, DLID/SLID from the topology's LIDs, packet length in
+  words), GRH when routed (traffic class 0, flow label 0, hop limit 64, GIDs from the topology).
+
+A snap length keeps the first ``snaplen`` bytes of each frame (``caplen``); ``origlen`` stays the
+frame length. Bytes past a frame's ``caplen`` are not computed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Plan
+from ..topology import Topology
+from . import headers as H
+from . import icrc as C
+from . import layout
+
+PAYLOAD_PATTERN = (np.arange(1 << 16) & 0xFF).astype(np.uint8)
+"""Payload bytes: byte ``i`` of a packet's payload is ``i mod 256``."""
+RETH_VA_BASE = 0x7F0000000000
+RKEY_BASE = 0x100000
+
+
+def _col(packets, name, dtype=None):
+    v = np.asarray(packets[name])
+    return v if dtype is None else v.astype(dtype, copy=False)
+
+
+def _be(v: np.ndarray, k: int) -> np.ndarray:
+    return H._big_endian_bytes(v, k)
+
+
+class _Frames:
+    """Column views of the packets table with the quantities every layout needs."""
+
+    def __init__(self, packets, topo: Topology, plan: Plan, snaplen: int):
+        self.n = len(packets["ts_ns"])
+        self.opcode = _col(packets, "opcode", np.uint8)
+        self.frame_len = _col(packets, "frame_len", np.int64)
+        self.payload = _col(packets, "payload_len", np.int64)
+        self.pad = _col(packets, "pad", np.int64)
+        self.src = _col(packets, "src_nic", np.int64)
+        self.dst = _col(packets, "dst_nic", np.int64)
+        self.caplen = self.frame_len if snaplen <= 0 else np.minimum(self.frame_len, snaplen)
+        self.ext_len = H.EXT_LEN[self.opcode].astype(np.int64)
+
+
+def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix: int = 0,
+                 out: np.ndarray | None = None, suffix: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Render frames into rows of a slot array.
+
+    Parameters
+    ----------
+    packets : packets-table columns (``schemas/packets.schema.json``), ``(n,)`` each.
+    topo : addresses (MAC, IPv4, IPv6, LID) per NIC.
+    plan : ``transport`` (kind, IP version, VLAN/PCP).
+    snaplen : bytes kept per frame; 0 keeps whole frames.
+    prefix : bytes reserved at the start of every row (left unwritten) for a record header.
+    out : optional preallocated uint8 array of at least ``n * width`` bytes to reuse (its first
+        ``n * width`` bytes are used).
+    suffix : extra bytes per row after the longest captured frame (record trailers, padding).
+
+    Returns
+    -------
+    slots : ``(n, width)`` uint8; row ``i`` holds the record prefix space, then ``caplen[i]``
+        frame bytes; bytes after that are unspecified.
+    caplen : ``(n,)`` int64 captured bytes per frame.
+    origlen : ``(n,)`` int64 frame length on the wire (no FCS).
+    """
+    F = _Frames(packets, topo, plan, snaplen)
+    n = F.n
+    width = prefix + (int(F.caplen.max()) if n else 0) + suffix
+    if out is not None and out.size >= n * width:
+        slots = out.reshape(-1)[: n * width].reshape(n, width)
+    else:
+        slots = np.empty((n, width), dtype=np.uint8)
+    if n == 0:
+        return slots, F.caplen, F.frame_len
+    if plan.transport.kind == "ib":
+        _render_ib(slots, prefix, F, packets, topo, plan)
+    else:
+        _render_roce(slots, prefix, F, packets, topo, plan)
+    return slots, F.caplen, F.frame_len
+
+
+def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, view_end: int) -> None:
+    """Extension headers at column ``off`` (after BTH), payload pattern after them, zero pad."""
+    n, width = slots.shape
+    span = width - off
+    if span <= 0:
+        return
+    # Most packets (MIDDLE) have no extension header: write the payload pattern for all rows,
+    # then rewrite the rows that do carry extension headers.
+    slots[:, off:] = PAYLOAD_PATTERN[:span]
+    opcode = F.opcode
+    for code in np.unique(opcode[F.ext_len > 0]).tolist():
+        rows = np.nonzero(opcode == code)[0]
+        op = H.OPCODES[code]
+        parts = []
+        for hname in op.ext:
+            hdr = H.HEADERS[hname]
+            vals = {}
+            if hname == "reth":
+                mid = _col(packets, "msg_id", np.int64)[rows]
+                vals = {"va": (RETH_VA_BASE + ((mid & 0xFFFF) << 24)).astype(np.uint64),
+                        "rkey": (RKEY_BASE + (F.dst[rows] & 0xFFFFF)).astype(np.uint32),
+                        "dmalen": (_col(packets, "dma_len", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
+            elif hname == "immdt":
+                vals = {"imm": (_col(packets, "msg_id", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
+            elif hname == "aeth":
+                from .packetize import ACK_SYNDROME
+                vals = {"syndrome": ACK_SYNDROME,
+                        "msn": (_col(packets, "msn", np.int64)[rows] & 0xFFFFFF).astype(np.uint32)}
+            parts.append(hdr.pack(len(rows), vals))
+        ext = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        el = ext.shape[1]
+        block = np.empty((len(rows), span), dtype=np.uint8)
+        k = min(el, span)
+        block[:, :k] = ext[:, :k]
+        if span > el:
+            block[:, el:] = PAYLOAD_PATTERN[:span - el]
+        slots[rows, off:] = block
+    # pad bytes are zero (only packets whose payload is not a multiple of 4 have any)
+    padded = np.nonzero(F.pad > 0)[0]
+    if len(padded):
+        start = off + F.ext_len[padded] + F.payload[padded]
+        flat = slots.reshape(-1)
+        for j in range(3):
+            sel = (j < F.pad[padded]) & (start + j < view_end)
+            pos = padded[sel] * width + start[sel] + j
+            flat[pos] = 0
+
+
+def _scatter_trailer(slots, rows: np.ndarray, pos: np.ndarray, data: np.ndarray, limit: np.ndarray) -> None:
+    """Write ``data[i]`` (k bytes) at column ``pos[i]`` of row ``rows[i]``, bytes before ``limit``."""
+    n, width = slots.shape
+    flat = slots.reshape(-1)
+    for j in range(data.shape[1]):
+        sel = pos + j < limit
+        flat[rows[sel] * width + pos[sel] + j] = data[sel, j]
+
+
+def _tail(crc: C.Crc, F: _Frames, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes after the headers, register contribution) of payload + pad of ``rows``."""
+    k = F.payload[rows] + F.pad[rows]
+    return k, C.tail_register(crc, PAYLOAD_PATTERN, F.payload[rows], F.pad[rows])
+
+
+def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
+    t = plan.transport
+    n, width = slots.shape
+    vlan = t.vlan is not None
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if vlan else 0)
+    v4 = t.ip_version == 4
+    l3 = H.IPV4.length if v4 else H.IPV6.length
+    ip_off = prefix + l2
+    udp_off = ip_off + l3
+    bth_off = udp_off + H.UDP.length
+    ext_off = bth_off + H.BTH.length
+    limit = prefix + F.caplen                      # per-row end of captured bytes
+
+    def region(off, hdr):
+        """Columns of ``hdr`` at ``off`` that fit the slot; None when none do."""
+        end = min(off + hdr.length, width)
+        return (off, end) if end > off else None
+
+    ip_type = H.ETHERTYPE_IPV4 if v4 else H.ETHERTYPE_IPV6
+    # Ethernet (+ 802.1Q)
+    eth = H.ETHERNET.pack(n, {"dst": topo.nic_mac[F.dst], "src": topo.nic_mac[F.src],
+                              "type": H.ETHERTYPE_VLAN if vlan else ip_type})
+    _put(slots, prefix, eth)
+    if vlan:
+        _put(slots, prefix + H.ETHERNET.length,
+             H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}))
+    dscp = _col(packets, "dscp", np.uint8)
+    ecn = _col(packets, "ecn", np.uint8)
+    psn = _col(packets, "psn", np.int64)
+    if v4:
+        ip = H.IPV4.pack(n, {"dscp": dscp, "ecn": ecn, "total_length": (F.frame_len - l2).astype(np.uint16),
+                             "id": (psn & 0xFFFF).astype(np.uint16),
+                             "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst]})
+        ip[:, 10:12] = _be(H.ipv4_checksum(ip), 2)
+    else:
+        ip = H.IPV6.pack(n, {"dscp": dscp, "ecn": ecn, "payload_length": (F.frame_len - l2 - l3).astype(np.uint16),
+                             "src": topo.nic_ipv6[F.src], "dst": topo.nic_ipv6[F.dst]})
+    _put(slots, ip_off, ip)
+    udp = H.UDP.pack(n, {"sport": (_col(packets, "udp_sport", np.int64) & 0xFFFF).astype(np.uint16),
+                         "length": (F.frame_len - l2 - l3).astype(np.uint16)})
+    _put(slots, udp_off, udp)
+    is_cnp = F.opcode == H.CNP_OPCODE
+    bth = H.BTH.pack(n, {"opcode": F.opcode, "migreq": (~is_cnp).astype(np.uint8),
+                         "padcnt": F.pad.astype(np.uint8), "becn": is_cnp.astype(np.uint8),
+                         "destqp": (_col(packets, "dest_qp", np.int64) & 0xFFFFFF).astype(np.uint32),
+                         "ackreq": _col(packets, "ack_req").astype(np.uint8),
+                         "psn": (psn & 0xFFFFFF).astype(np.uint32)})
+    _put(slots, bth_off, bth)
+    _fill_ext_and_payload(slots, ext_off, F, packets, width)
+
+    # ICRC where it was captured
+    icrc_pos = prefix + F.frame_len - H.ICRC_LEN
+    rows = np.nonzero(icrc_pos < limit)[0]
+    if len(rows):
+        vals = np.zeros(len(rows), dtype=np.uint32)
+        for el in np.unique(F.ext_len[rows]).tolist():
+            g = rows[F.ext_len[rows] == el]
+            hdr = slots[g, ip_off:ext_off + el]
+            masked = C.mask_rocev2(hdr, t.ip_version)
+            state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
+            k, tail = _tail(C.CRC32, F, g)
+            vals[F.ext_len[rows] == el] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
+        _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
+
+
+def _put(slots, off: int, block: np.ndarray) -> None:
+    width = slots.shape[1]
+    end = min(off + block.shape[1], width)
+    if end > off:
+        slots[:, off:end] = block[:, :end - off]
+
+
+def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
+    n, width = slots.shape
+    grh = layout.has_grh(F.src, F.dst, topo, plan)
+    limit = prefix + F.caplen
+    psn = _col(packets, "psn", np.int64)
+    lid = topo.nic_lid.astype(np.int64)
+    gid = topo.nic_gid(6)
+    for with_grh in (False, True):
+        rows = np.nonzero(grh == with_grh)[0]
+        if not len(rows):
+            continue
+        sub = _Frames({k: np.asarray(v)[rows] for k, v in packets.items()}, topo, plan, 0)
+        sub.caplen = F.caplen[rows]
+        m = len(rows)
+        block = np.empty((m, width), dtype=np.uint8)
+        lrh = H.LRH.pack(m, {"lnh": H.LNH_GRH if with_grh else H.LNH_BTH,
+                             "dlid": lid[sub.dst].astype(np.uint16), "slid": lid[sub.src].astype(np.uint16),
+                             "pktlen": ((sub.frame_len - H.VCRC_LEN) // 4).astype(np.uint16)})
+        _put(block, prefix, lrh)
+        off = prefix + H.LRH.length
+        if with_grh:
+            g = H.GRH.pack(m, {"paylen": (sub.frame_len - H.LRH.length - H.GRH.length - H.VCRC_LEN).astype(np.uint16),
+                               "sgid": gid[sub.src], "dgid": gid[sub.dst]})
+            _put(block, off, g)
+            off += H.GRH.length
+        bth = H.BTH.pack(m, {"opcode": sub.opcode, "migreq": 1, "padcnt": sub.pad.astype(np.uint8),
+                             "destqp": (_col(packets, "dest_qp", np.int64)[rows] & 0xFFFFFF).astype(np.uint32),
+                             "ackreq": _col(packets, "ack_req")[rows].astype(np.uint8),
+                             "psn": (psn[rows] & 0xFFFFFF).astype(np.uint32)})
+        _put(block, off, bth)
+        ext_off = off + H.BTH.length
+        sub_packets = {k: np.asarray(v)[rows] for k, v in packets.items()}
+        _fill_ext_and_payload(block, ext_off, sub, sub_packets, width)
+
+        icrc_pos = prefix + sub.frame_len - H.ICRC_LEN - H.VCRC_LEN
+        lim = limit[rows]
+        need = np.nonzero(icrc_pos < lim)[0]
+        if len(need):
+            ic = np.zeros(len(need), dtype=np.uint32)
+            vc = np.zeros(len(need), dtype=np.uint16)
+            for el in np.unique(sub.ext_len[need]).tolist():
+                sel = sub.ext_len[need] == el
+                gi = need[sel]
+                hdr = block[gi, prefix:ext_off + el]
+                k, tail32 = _tail(C.CRC32, sub, gi)
+                st = C.CRC32.update(C.CRC32.init, C.mask_ib(hdr, with_grh))
+                icv = (C.CRC32.shift(st, k) ^ tail32) ^ np.uint32(0xFFFFFFFF)
+                ic[sel] = icv
+                _, tail16 = _tail(C.CRC16_VCRC, sub, gi)
+                s16 = C.CRC16_VCRC.update(C.CRC16_VCRC.init, hdr)
+                s16 = C.CRC16_VCRC.shift(s16, k) ^ tail16
+                s16 = C.CRC16_VCRC.update(s16, C.icrc_bytes(icv))
+                vc[sel] = s16 ^ np.uint16(0xFFFF)
+            _scatter_trailer(block, need, icrc_pos[need], C.icrc_bytes(ic), lim[need])
+            _scatter_trailer(block, need, icrc_pos[need] + H.ICRC_LEN, C.vcrc_bytes(vc), lim[need])
+        slots[rows, prefix:] = block[:, prefix:]
+
+
+def slot_pieces(slots: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+    """Byte ranges of ``slots`` holding the first ``lengths[i]`` bytes of each row, merged where
+    rows are full: ready for ``os.writev``. Rows are concatenated in order."""
+    n, width = slots.shape
+    if n == 0:
+        return []
+    flat = memoryview(slots.reshape(-1))
+    short = np.nonzero(lengths < width)[0]
+    if not len(short):
+        return [flat]
+    ends = short * width + lengths[short]
+    starts = np.r_[0, (short[:-1] + 1) * width]
+    pieces = [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist()) if e > s]
+    tail_start = (int(short[-1]) + 1) * width
+    if tail_start < n * width:
+        pieces.append(flat[tail_start:])
+    return pieces
+
+
+def render(packets, topo: Topology, plan: Plan, snaplen: int = 128
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Frames of a packets table, concatenated.
+
+    Parameters
+    ----------
+    packets : packets-table columns, ``(n,)`` each.
+    topo, plan : addresses and transport settings.
+    snaplen : bytes kept per frame (0: whole frames).
+
+    Returns
+    -------
+    buf : uint8, the captured bytes of all frames back to back.
+    offsets : ``(n + 1,)`` int64, frame ``i`` is ``buf[offsets[i]:offsets[i + 1]]``.
+    caplen : ``(n,)`` int64 captured bytes.
+    origlen : ``(n,)`` int64 frame length on the wire.
+    """
+    slots, caplen, origlen = render_slots(packets, topo, plan, snaplen)
+    pieces = slot_pieces(slots, caplen)
+    buf = np.frombuffer(b"".join(pieces), dtype=np.uint8) if pieces else np.zeros(0, np.uint8)
+    offsets = np.r_[0, np.cumsum(caplen)].astype(np.int64)
+    return buf, offsets, caplen, origlen
