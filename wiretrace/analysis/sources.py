@@ -6,7 +6,8 @@ Two kinds of input:
   ``messages.parquet`` and ``collectives.parquet``. Packets are read in record batches; each
   packet's ``msg_id`` is joined to its message and that message's ``op_id`` to its collective
   call, so every byte gets the parallelism (dp, tp, pp...) and phase (forward, backward...) that
-  caused it. The join keeps two small codes per network message in memory (10 bytes each).
+  caused it. Messages are read once, in record batches; the join keeps the message id and two
+  one-byte codes per network message in memory (10 bytes each).
 * a **capture** (pcap, pcapng, ERF) read by :func:`wiretrace.io.capture.iter_frames` and decoded
   by :func:`wiretrace.transport.parse.parse_frames`; frames that are neither RoCEv2 nor native
   InfiniBand are counted and skipped.
@@ -29,6 +30,7 @@ import pyarrow.parquet as pq
 
 from ..errors import InputFormatError
 from .burstiness import ETHERNET_L1_OVERHEAD_BYTES
+from .stats import Distribution
 from .summary import Endpoints
 
 PARQUET_TABLES = ("packets.parquet", "messages.parquet", "collectives.parquet")
@@ -47,8 +49,9 @@ class Input:
     labels : names of the ``parallelism`` / ``phase`` codes (Parquet input only).
     line_rate_bps : from ``--line-rate`` or the plan; None when unknown.
     batches : callable returning an iterator of packet batches (one pass over the input).
-    message_sizes : callable returning an iterator of arrays of message sizes (bytes on the
-        wire), or None when messages are reassembled from the packets' opcodes.
+    message_sizes : callable returning an iterator of message-size distributions (bytes on the
+        wire per network message), or None when messages are reassembled from the packets'
+        opcodes.
     phase_spans : callable returning ``[(phase, start_ns, end_ns), ...]`` (Parquet input only).
     info : counters filled while reading (frames skipped and why).
     """
@@ -59,7 +62,7 @@ class Input:
     labels: dict
     line_rate_bps: float | None
     batches: Callable[[], Iterator[dict]]
-    message_sizes: Callable[[], Iterator[np.ndarray]] | None = None
+    message_sizes: Callable[[], Iterator[Distribution]] | None = None
     phase_spans: Callable[[], list] | None = None
     info: dict = field(default_factory=dict)
 
@@ -119,48 +122,71 @@ def _open_parquet(path: Path, plan, rate) -> Input:
     missing = [t for t in PARQUET_TABLES if not (path / t).is_file()]
     if missing:
         raise InputFormatError(f"{path}: not a wiretrace Parquet directory (missing {', '.join(missing)})")
+    msg_cols = ["msg_id", "op_id", "link", "src_nic", "src_node", "dst_nic", "dst_node", "wire_bytes",
+                "t_start_ns", "t_end_ns"]
+    need = {"ts_ns", "msg_id", "src_nic", "dst_nic", "udp_sport", "dest_qp", "opcode",
+            "payload_len", "frame_len", "dscp", "ecn"}
     try:
         pkt_file = pq.ParquetFile(path / "packets.parquet")
-        msgs = pq.read_table(path / "messages.parquet",
-                             columns=["msg_id", "op_id", "link", "src_nic", "src_node", "dst_nic",
-                                      "dst_node", "wire_bytes", "t_start_ns", "t_end_ns"])
+        msg_file = pq.ParquetFile(path / "messages.parquet")
         coll = pq.read_table(path / "collectives.parquet", columns=["op_id", "parallelism", "phase"])
     except (pa.ArrowInvalid, OSError, KeyError) as e:
         raise InputFormatError(f"{path}: unreadable wiretrace table ({e})") from None
-    need = {"ts_ns", "msg_id", "src_nic", "dst_nic", "udp_sport", "dest_qp", "opcode",
-            "payload_len", "frame_len", "dscp", "ecn"}
-    lacking = sorted(need - set(pkt_file.schema_arrow.names))
-    if lacking:
-        raise InputFormatError(f"{path / 'packets.parquet'}: not a wiretrace packets table (missing {', '.join(lacking)})")
+    for f, cols, name in ((pkt_file, need, "packets"), (msg_file, set(msg_cols), "messages")):
+        lacking = sorted(cols - set(f.schema_arrow.names))
+        if lacking:
+            raise InputFormatError(f"{path / (name + '.parquet')}: not a wiretrace {name} table "
+                                   f"(missing {', '.join(lacking)})")
 
-    net = np.asarray(msgs.column("link").cast(pa.string()).to_numpy(zero_copy_only=False)) == "network"
-    msg_id = msgs.column("msg_id").to_numpy()[net]
-    msg_op = msgs.column("op_id").to_numpy()[net]
-    order = np.argsort(msg_id, kind="stable")
-    msg_id, msg_op = msg_id[order], msg_op[order]
-
+    # collective call -> parallelism / phase codes
     labels, op_codes = {}, {}
     coll_op = coll.column("op_id").to_numpy()
+    o = np.argsort(coll_op)
     for g in ("parallelism", "phase"):
         vals = np.asarray(coll.column(g).cast(pa.string()).to_numpy(zero_copy_only=False), dtype=object)
         names = sorted(set(vals.tolist()), key=_phase_order if g == "phase" else str)
         code = {n: i for i, n in enumerate(names)}
         labels[g] = names
-        op_codes[g] = (coll_op, np.array([code[v] for v in vals], dtype=np.int8))
-    # one code per network message, by position in the sorted msg_id array
-    msg_codes = {}
-    for g, (ops, codes) in op_codes.items():
-        o = np.argsort(ops)
-        pos = np.searchsorted(ops[o], msg_op)
-        pos = np.minimum(pos, len(ops) - 1) if len(ops) else pos
-        ok = (len(ops) > 0) & (ops[o][pos] == msg_op) if len(ops) else np.zeros(len(msg_op), bool)
-        msg_codes[g] = np.where(ok, codes[o][pos] if len(ops) else -1, -1).astype(np.int8)
+        op_codes[g] = np.array([code[v] for v in vals], dtype=np.int8)[o]
+    coll_op = coll_op[o]
+
+    def codes_of_ops(ops: np.ndarray) -> dict[str, np.ndarray]:
+        pos = np.minimum(np.searchsorted(coll_op, ops), max(len(coll_op) - 1, 0))
+        ok = (coll_op[pos] == ops) if len(coll_op) else np.zeros(len(ops), dtype=bool)
+        return {g: np.where(ok, c[pos] if len(c) else -1, -1).astype(np.int8) for g, c in op_codes.items()}
+
+    # one streaming pass over the network messages: id -> codes (10 bytes per message), NIC ->
+    # node, message sizes, and when each phase has messages in flight
+    ids, codes = [], {g: [] for g in op_codes}
+    nic_node: dict[int, int] = {}
+    sizes = Distribution()
+    phase_iv: dict[int, list] = {}
+    t_lo, t_hi = _time_range(msg_file)
+    min_gap = max(1, int((t_hi - t_lo) * 0.002))
+    for rb in msg_file.iter_batches(batch_size=BATCH_ROWS, columns=msg_cols):
+        c = {n: rb.column(n) for n in msg_cols}
+        net = np.asarray(c["link"].cast(pa.string()).to_numpy(zero_copy_only=False)) == "network"
+        if not net.any():
+            continue
+        mid = c["msg_id"].to_numpy()[net]
+        cc = codes_of_ops(c["op_id"].to_numpy()[net])
+        ids.append(mid)
+        for g in codes:
+            codes[g].append(cc[g])
+        sizes.add(c["wire_bytes"].to_numpy()[net])
+        for a, b in (("src_nic", "src_node"), ("dst_nic", "dst_node")):
+            pairs = np.unique(np.stack([c[a].to_numpy()[net], c[b].to_numpy()[net]], 1), axis=0)
+            nic_node.update({int(n): int(d) for n, d in pairs})
+        t0, t1 = c["t_start_ns"].to_numpy()[net], c["t_end_ns"].to_numpy()[net]
+        for code in np.unique(cc["phase"]):
+            m = cc["phase"] == code
+            phase_iv.setdefault(int(code), []).extend(merge_intervals(t0[m], t1[m], min_gap))
+    msg_id = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    order = np.argsort(msg_id, kind="stable")
+    msg_id = msg_id[order]
+    msg_codes = {g: (np.concatenate(v)[order] if v else np.zeros(0, np.int8)) for g, v in codes.items()}
 
     topo, _ = _address_map(plan)
-    nic_node = {}
-    for a, b in (("src_nic", "src_node"), ("dst_nic", "dst_node")):
-        pairs = np.unique(np.stack([msgs.column(a).to_numpy()[net], msgs.column(b).to_numpy()[net]], 1), axis=0)
-        nic_node.update({int(n): int(d) for n, d in pairs})
     eps = Endpoints()
 
     def endpoint_ids(nics: np.ndarray) -> np.ndarray:
@@ -171,7 +197,7 @@ def _open_parquet(path: Path, plan, rate) -> Input:
         return ids[inv.ravel()]
 
     def batches() -> Iterator[dict]:
-        for rb in pkt_file.iter_batches(batch_size=BATCH_ROWS):
+        for rb in pkt_file.iter_batches(batch_size=BATCH_ROWS, columns=sorted(need)):
             c = {n: rb.column(n).to_numpy(zero_copy_only=False) for n in need}
             sport = c["udp_sport"].astype(np.int32)
             flen = c["frame_len"].astype(np.int64)
@@ -183,32 +209,53 @@ def _open_parquet(path: Path, plan, rate) -> Input:
                 "frame_len": flen, "wire_len": flen + np.where(sport >= 0, ETHERNET_L1_OVERHEAD_BYTES, 0),
                 "ecn": c["ecn"].astype(np.uint8), "dscp": c["dscp"].astype(np.uint8),
             }
-            pos = np.searchsorted(msg_id, c["msg_id"])
-            pos = np.minimum(pos, max(len(msg_id) - 1, 0))
-            known = (len(msg_id) > 0) & (msg_id[pos] == c["msg_id"]) if len(msg_id) else np.zeros(len(pos), bool)
-            for g, codes in msg_codes.items():
-                b[g] = np.where(known, codes[pos] if len(msg_id) else -1, -1).astype(np.int8)
+            pos = np.minimum(np.searchsorted(msg_id, c["msg_id"]), max(len(msg_id) - 1, 0))
+            known = (msg_id[pos] == c["msg_id"]) if len(msg_id) else np.zeros(len(pos), dtype=bool)
+            for g, mc in msg_codes.items():
+                b[g] = np.where(known, mc[pos] if len(mc) else -1, -1).astype(np.int8)
             yield b
 
-    def message_sizes() -> Iterator[np.ndarray]:
-        yield msgs.column("wire_bytes").to_numpy()[net]
+    def message_sizes() -> Iterator[Distribution]:
+        yield sizes
 
     def phase_spans() -> list:
         """Per phase, the merged intervals during which its network messages are in flight."""
-        if "phase" not in msg_codes or not len(msg_id):
-            return []
-        t0 = msgs.column("t_start_ns").to_numpy()[net][order]
-        t1 = msgs.column("t_end_ns").to_numpy()[net][order]
         out = []
-        for code, name in enumerate(labels["phase"]):
-            m = msg_codes["phase"] == code
-            if not m.any():
+        for code, iv in sorted(phase_iv.items()):
+            if code < 0 or not iv:
                 continue
-            out.extend((name, s, e) for s, e in merge_intervals(t0[m], t1[m]))
+            a = np.array([x[0] for x in iv])
+            b = np.array([x[1] for x in iv])
+            out.extend((labels["phase"][code], s, e) for s, e in merge_intervals(a, b, min_gap))
         return out
 
     return Input("parquet", path, eps, labels, rate, batches, message_sizes, phase_spans,
-                 info={"messages": int(net.sum()), "collectives": coll.num_rows})
+                 info={"messages": int(len(msg_id)), "collectives": coll.num_rows})
+
+
+def _time_range(f: pq.ParquetFile) -> tuple[int, int]:
+    """Smallest t_start_ns and largest t_end_ns of a messages file (row-group statistics when
+    present, else a pass over those two columns)."""
+    lo, hi = None, None
+    meta = f.metadata
+    names = f.schema_arrow.names
+    try:
+        for i in range(meta.num_row_groups):
+            rg = meta.row_group(i)
+            s0 = rg.column(names.index("t_start_ns")).statistics
+            s1 = rg.column(names.index("t_end_ns")).statistics
+            if s0 is None or s1 is None or not s0.has_min_max or not s1.has_min_max:
+                raise LookupError
+            lo = s0.min if lo is None else min(lo, s0.min)
+            hi = s1.max if hi is None else max(hi, s1.max)
+    except LookupError:
+        lo, hi = None, None
+        for rb in f.iter_batches(batch_size=BATCH_ROWS, columns=["t_start_ns", "t_end_ns"]):
+            if rb.num_rows:
+                a, b = rb.column(0).to_numpy(), rb.column(1).to_numpy()
+                lo = int(a.min()) if lo is None else min(lo, int(a.min()))
+                hi = int(b.max()) if hi is None else max(hi, int(b.max()))
+    return (int(lo), int(hi)) if lo is not None else (0, 0)
 
 
 _PHASES = ("init", "forward", "backward", "optimizer")

@@ -340,10 +340,13 @@ class Summary:
         self.flows.carry[lf] = np.where(had_end, tail, self.flows.carry[lf] + tail)
 
     def add_message_sizes(self, sizes) -> None:
-        """Use message sizes from a messages table (bytes on the wire per message) instead of
-        reassembling them from opcodes."""
+        """Use message sizes from a messages table (bytes on the wire per message; an array or a
+        :class:`Distribution`) instead of reassembling them from opcodes."""
         self.message_source = "messages.parquet"
-        self.message_sizes.add(sizes)
+        if isinstance(sizes, Distribution):
+            self.message_sizes.merge(sizes)
+        else:
+            self.message_sizes.add(sizes)
 
     # -- results -----------------------------------------------------------------------------
 
