@@ -153,7 +153,7 @@ class Transport:
     pcp: int = 0
     verb: str = "write_imm"
     ack: Any = "message"
-    initial_psn: str = "zero"
+    initial_psn: str | int = "zero"     # "zero", "random" or a fixed 24-bit PSN
     ecn_marking: Mapping[str, Any] | None = None
     grh: bool = False
 
