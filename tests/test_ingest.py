@@ -515,3 +515,48 @@ def test_same_size_communicators_doing_the_same_calls_stay_apart(tmp_path):
     comms = got.report["communicators"]
     assert len(comms) == 4 and {c["processes"] for c in comms} == {2} and {c["calls"] for c in comms} == {3}
     assert got.report["mismatches"] == []
+
+
+def test_profiler_trace_of_newer_pytorch_p2p_all_to_allv_and_cpu_side_args(tmp_path):
+    def kernel(i, name, ts, **args):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": 1.0,
+                "args": {"External id": i, "correlation": i, **args}}
+
+    tp = {"Process Group Name": "3", "Process Group Description": "TENSOR_MODEL_PARALLEL_GROUP"}
+    doc = {"distributedInfo": {"rank": 0, "world_size": 8, "nccl_version": "2.21.5"}, "traceEvents": [
+        kernel(1, "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 100.0,
+               **{"Collective name": "_allgather_base", "In msg nelems": 100, "Out msg nelems": 400,
+                  "Group size": 4, "dtype": "BFloat16", "Process Group Ranks": "[0, 2, 4, 6]", **tp}),
+        kernel(2, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 101.5,
+               **{"Collective name": "send", "In msg nelems": 10, "Out msg nelems": 0, "Group size": 2,
+                  "dtype": "Float", "Dst Rank": 3, "Process Group Name": "5", "Process Group Ranks": "[0, 3]"}),
+        kernel(3, "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 102.0,
+               **{"Collective name": "all_to_allv", "In msg nelems": 60, "Out msg nelems": 60, "Group size": 3,
+                  "dtype": "Float", "In split size": "[1, 2, 3]", "Out split size": "[2, 2, 2]",
+                  "Process Group Name": "6", "Process Group Ranks": "[0, 1, 2]"}),
+        {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 9, "tid": 9, "ts": 102.5, "dur": 1,
+         "args": {"External id": 4, "Collective name": "allreduce", "In msg nelems": 50, "Out msg nelems": 50,
+                  "Group size": 8, "dtype": "Half", "Process Group Name": "0", "Global rank start": 0,
+                  "Global rank stride": 1, "Process Group Ranks": "[0, 1, 2, 3, 4, 5, 6, 7]"}},
+        kernel(4, "ncclKernel_AllReduce_RING_LL_Sum_half(ncclDevComm*, unsigned long, ncclWork*)", 103.0),
+        kernel(5, "ncclDevKernel_AllReduce_Sum_f32_TREE_LL(ncclDevKernelArgsStorage<4096ul>)", 104.25,
+               **{"Collective name": "allreduce", "In msg nelems": 8, "Out msg nelems": 8, "Group size": 8,
+                  "dtype": "Float", "Process Group Name": "0", "Process Group Ranks": "[0, 1, 2, 3, 4, 5, 6, 7]"}),
+    ]}
+    p = tmp_path / "new.json"
+    p.write_text(json.dumps(doc))
+    got = read_schedule(p)
+    r = rows(got)
+    got_rows = [(x["op"], x["bytes_per_rank"], x["bytes_global"], x["dtype"], x["ranks"], x["algorithm"],
+                 x["parallelism"], x["t_ready_ns"]) for x in r]
+    assert got_rows == [
+        ("all_gather", 200, 800, "bf16", [0, 2, 4, 6], "ring", "tp", 0),
+        ("send_recv", 40, 40, "fp32", [0, 3], "ring", "other", 1500),
+        ("all_to_allv", 240, 720, "fp32", [0, 1, 2], "ring", "other", 2000),
+        ("all_reduce", 100, 100, "fp16", list(range(8)), "ring", "other", 3000),
+        ("all_reduce", 32, 32, "fp32", list(range(8)), "tree", "other", 4250),
+    ]
+    assert (r[1]["src"], r[1]["dst"]) == (0, 3)
+    (splits,) = got.report["all_to_allv_splits"]
+    assert splits["by_rank"] == {"0": [40, 80, 120]}
+    assert got.report["nccl_version"] == "2.21.5"

@@ -266,9 +266,10 @@ def _call(name, args, idx, e, fname, rank, pg_conf, out) -> dict | None:
         src, dst = (rank, peer) if op == "send" else (peer, rank)
         return {**call, "op": "send_recv", "half": op, "src": src, "dst": dst, "bg": nbytes, "bpr": nbytes,
                 "dtype": dtype}
-    if op == "all_to_all":
+    if op in ("all_to_all", "all_to_allv"):
+        # split sizes count rows of dim 0 (c10d alltoall_base); bytes are their share of the input
         split_in = _ranks_list(args.get("In split size")) or []
-        if split_in and len(set(split_in)) > 1:
+        if split_in and (op == "all_to_allv" or len(set(split_in)) > 1):
             op = "all_to_allv"
             total = sum(split_in)
             call["splits_bytes"] = [nin * esz * s // total for s in split_in] if total else []
