@@ -461,3 +461,21 @@ def test_ep_with_tp_and_sequence_parallel():
     assert {(r["bytes_global"], r["bytes_per_rank"]) for r in gath} == {(2 * a2a, a2a)}
     assert len(gath) == 4 * m * 4          # 4 MoE layers, m micro-batches, 4 TP groups
     assert not rows(t, tensor="mlp.down_proj.activation")
+
+
+def test_comm_time_model():
+    """Ring time = latency x steps + S x busbw factor / rate (nccl-tests PERFORMANCE.md: busbw =
+    algbw x 2(n-1)/n for all_reduce): 1 GB over 8 ranks at 400 Gb/s, 2 us per hop ->
+    14 x 2 us + 1e9 x 1.75 x 8 / 400e9 s. An all_to_all's table size is all ranks' inputs; each rank
+    sends (n-1)/n of its own."""
+    from wiretrace.workload import Workload
+    from wiretrace.workload.compute import comm_ns
+
+    assert comm_ns("all_reduce", 1e9, 8, 400e9, 2000) == pytest.approx(28_000 + 35_000_000)
+    assert comm_ns("send_recv", 1e6, 2, 400e9, 2000) == pytest.approx(2000 + 20_000)
+    assert comm_ns("all_gather", 1e6, 1, 400e9, 2000) == 0
+    w = Workload(mkplan({"dp": 4, "ep": 4}, model=MOE, nodes=2, gpus=2))
+    rate, lat = w.link("ep")
+    assert (rate, lat) == (400e9, 2000)
+    assert w.comm("ep", "all_to_all", 4e6, 4) == pytest.approx(2000 + 1e6 * 0.75 * 8 / 400e9 * 1e9)
+    assert w.link("tp") == (900e9 * 8, 1000)

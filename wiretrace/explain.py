@@ -248,19 +248,19 @@ def link_bytes(table: pa.Table, gpus_per_node: int, rank_node: np.ndarray | None
             net[sel] = np.where(is_net, S[sel], 0.0)
             nv[sel] = np.where(is_net, 0.0, S[sel])
         elif name in ("all_to_all", "all_to_allv"):
+            # ordered pairs of ranks on different nodes, once per communicator
             rows_idx = np.flatnonzero(sel)
-            cache: dict[tuple, int] = {}
-            for i in rows_idx:
+            groups = table.column("group").to_numpy()[rows_idx]
+            uniq, first = np.unique(groups, return_index=True)
+            cross_of = {}
+            for gid, i in zip(uniq.tolist(), rows_idx[first].tolist()):
                 g = node[offsets[i]:offsets[i + 1]]
-                key = tuple(g.tolist())
-                if key not in cache:
-                    _, counts = np.unique(g, return_counts=True)
-                    cache[key] = len(g) ** 2 - int((counts ** 2).sum())
-                n = len(g)
-                cross_pairs = cache[key]
-                intra_pairs = n * (n - 1) - cross_pairs
-                net[i] = bpr[i] / n * cross_pairs
-                nv[i] = bpr[i] / n * intra_pairs
+                _, counts = np.unique(g, return_counts=True)
+                cross_of[gid] = len(g) ** 2 - int((counts ** 2).sum())
+            cross_pairs = np.array([cross_of[g] for g in groups.tolist()], dtype=np.float64)
+            n = sizes[rows_idx].astype(np.float64)
+            net[rows_idx] = bpr[rows_idx] / n * cross_pairs
+            nv[rows_idx] = bpr[rows_idx] / n * (n * (n - 1) - cross_pairs)
     return nv, net
 
 

@@ -105,7 +105,7 @@ def comm_ns(op: str, bytes_global: float, n: int, rate_bps: float, latency_ns: f
     Parameters
     ----------
     op : collective name (see :data:`BUSBW_FACTOR`).
-    bytes_global : nccl-tests size ``S`` in bytes.
+    bytes_global : nccl-tests size ``S`` in bytes (for all_to_all: one rank's whole send buffer).
     n : ranks in the communicator.
     rate_bps : per-rank link rate in bits/s (NVLink inside a node, the NIC rate across nodes).
     latency_ns : per-hop latency in ns.

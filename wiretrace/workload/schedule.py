@@ -155,7 +155,11 @@ class Workload:
         return self._link[family]
 
     def comm(self, family: str, op: str, bytes_global: float, n: int) -> float:
+        """Estimated time (ns) of one call; ``bytes_global`` as in the collectives table (for
+        all_to_all the sum of all ranks' inputs, of which each rank sends its own share)."""
         rate, lat = self.link(family)
+        if op in ("all_to_all", "all_to_allv"):
+            bytes_global = bytes_global / n
         return comm_ns(op, bytes_global, n, rate, lat)
 
     # -- sizes -------------------------------------------------------------------------------
