@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
 from decimal import Decimal
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from wiretrace.ingest import detect_format, format_report, read_schedule
 from wiretrace.ingest.nccl_tests import compare_busbw
 from wiretrace.tables import check
 
-from conftest import REAL, run_cli
+from conftest import REAL, require_tool, run_cli
 
 LOGS = REAL / "nccl_logs"
 KINETO = REAL / "kineto" / "hta_nccl_data_pt_nccl2.17_ddp2r_excerpt.json"
@@ -560,3 +561,33 @@ def test_profiler_trace_of_newer_pytorch_p2p_all_to_allv_and_cpu_side_args(tmp_p
     (splits,) = got.report["all_to_allv_splits"]
     assert splits["by_rank"] == {"0": [40, 80, 120]}
     assert got.report["nccl_version"] == "2.21.5"
+
+
+def test_measured_schedule_goes_through_generate_to_a_capture_tshark_decodes(tmp_path):
+    tshark = require_tool("tshark")
+    plan = tmp_path / "cluster.json"
+    plan.write_text(json.dumps({
+        "name": "2 nodes x 1 GPU",
+        "cluster": {"nodes": 2, "gpus_per_node": 1, "gpu": "H100", "nics_per_node": 1,
+                    "nic_rate": "400Gbps", "nvlink_rate": "900GB/s", "latency": "2us"},
+        "collectives": {"algorithm": "ring", "channels": 1},
+        "transport": {"kind": "rocev2", "ip_version": 4, "path_mtu": 4096}}))
+    log = LOGS / "torchtitan1369_tp_coll_2ranks.log"
+    cap = tmp_path / "tp.pcap"
+    proc = run_cli("generate", "--schedule", log, "--plan", plan, "-o", cap, "--no-parquet")
+    assert proc.returncode == 0, proc.stderr
+    out = subprocess.run([tshark, "-r", str(cap), "-T", "fields", "-e", "udp.dstport", "-e", "infiniband.bth.opcode",
+                          "-e", "infiniband.reth.dmalen"], capture_output=True, text=True, check=True).stdout
+    fields = [line.split("\t") for line in out.splitlines()]
+    assert fields and all(f[0] == "4791" and f[1] != "" for f in fields)
+    # every byte the ring puts on the wire, by the nccl-tests bus factors: busbw factor x S x n
+    # (all_gather/reduce_scatter (n-1)/n, all_reduce 2(n-1)/n, n = 2)
+    n = 2
+    want = sum(round(factor * s * n) for factor, s in [((n - 1) / n, 16 << 20)] * 2     # all_gather
+               + [((n - 1) / n, 16 << 20)]                                               # reduce_scatter
+               + [(2 * (n - 1) / n, 4)] * 2)                                             # all_reduce
+    assert want == 3 * (16 << 20) + 16
+    # data messages are RDMA WRITE FIRST (0x06) .. LAST WITH IMMEDIATE or ONLY WITH IMMEDIATE (0x0b);
+    # the RETH of the first packet carries the message length
+    data = sum(int(f[2]) for f in fields if f[1] in ("6", "11"))
+    assert data == want
