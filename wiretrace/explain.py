@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .errors import WiretraceError
 from .models import count_parameters

@@ -253,10 +253,28 @@ class Workload:
             if sp:
                 coll("tp", "all_gather", "sp", tensor, act, act // tp, ad, layer, tp, wait)
 
+        prefetch = [0.0]      # start of the previous unit: when the next all-gather is issued
+
         def zero3_units(layer_key, phase_kind: str) -> None:
-            """FSDP / ZeRO-3 all-gather (or gradient reduce-scatter) of one layer's parameters."""
+            """FSDP / ZeRO-3 all-gather (or gradient reduce-scatter) of one layer's parameters.
+
+            All-gathers are issued one unit ahead (FSDP ``forward_prefetch`` / ``BACKWARD_PRE``,
+            DeepSpeed's prefetch), at the start of the previous unit's compute; the layer waits
+            for them, so only what outlasts that compute is exposed. Reduce-scatters run
+            behind the next layer's backward.
+            """
             if not zero3:
                 return
+            if phase_kind == "gather":
+                now = clock[0]
+                clock[0] = min(prefetch[0], now)
+                _zero3_emit(layer_key, phase_kind)
+                clock[0] = max(now, clock[0])
+                prefetch[0] = clock[0]
+            else:
+                _zero3_emit(layer_key, phase_kind)
+
+        def _zero3_emit(layer_key, phase_kind: str) -> None:
             tensors = [t for t in self.chunk_tensors(vs)
                        if (t.layer == layer_key if isinstance(layer_key, int) else (t.layer < 0 and t.where == layer_key))]
             units: list[tuple[str, list[ParamTensor]]]
@@ -273,9 +291,9 @@ class Workload:
                     if not numel or n == 1:
                         continue
                     padded = _ceil_to(numel, n)
-                    if phase_kind == "gather":
+                    if phase_kind == "gather":     # issued back to back on the DP communicator
                         coll(fam, "all_gather", "dp", f"param.{name}", padded * self.param_b,
-                             padded // n * self.param_b, self.param_dtype, lay, n, wait=False)
+                             padded // n * self.param_b, self.param_dtype, lay, n, wait=True)
                     else:
                         coll(fam, "reduce_scatter", "dp", f"grad.{name}", padded * self.grad_b,
                              padded // n * self.grad_b, self.grad_dtype, lay, n, wait=False)
