@@ -247,7 +247,7 @@ def parquet_dir(tmp_path_factory):
         "t_start_ns": np.array([x["t"] for x in allm]), "t_end_ns": np.array([x["t"] + 10_000 for x in allm])})
     write_table(d / "messages.parquet", "messages", m)
     pk = packetize_reference(msgs)
-    write_table(d / "packets.parquet", "packets", pk)
+    write_table(d / "packets.parquet", "packets", filled("packets", len(pk["ts_ns"]), pk))
     return d, msgs, pk
 
 
@@ -465,3 +465,98 @@ def test_timeline_keeps_sums_while_coarsening():
     assert tl.bins.shape == (300, 64)                      # 300 series: 64 bins each
     assert tl.width * 64 > t - tl.origin                   # the span still fits
     assert np.allclose(tl.bins.sum(axis=1), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# generated captures against the Parquet tables they came from
+# ---------------------------------------------------------------------------------------------
+
+PLAN = Path(__file__).resolve().parents[1] / "samples" / "plans" / "gpt2-small-2x4.json"
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gen")
+    r = cli("generate", "--plan", str(PLAN), "-o", str(d / "iter.pcap"), "-q")
+    assert r.returncode == 0, r.stderr
+    return d / "iter.pcap", d / "iter.parquet"
+
+
+def np_table(path, columns):
+    t = pq.read_table(path, columns=columns)
+    return {c: t.column(c).to_numpy() for c in columns}
+
+
+def test_generated_capture_summary_agrees_with_parquet_tables(generated):
+    from wiretrace import topology
+    from wiretrace.plan import load
+
+    cap, pqdir = generated
+    plan = load(PLAN)
+    topo = topology.build(plan)
+    doc = summarize(cap, plan=plan)
+    pk = np_table(pqdir / "packets.parquet", ["src_nic", "dst_nic", "udp_sport", "dest_qp", "frame_len",
+                                              "payload_len", "opcode"])
+    assert doc["totals"]["packets"] == len(pk["frame_len"]) > 100_000
+    assert doc["totals"]["bytes"] == int(pk["frame_len"].sum())
+    assert doc["totals"]["payload_bytes"] == int(pk["payload_len"].sum())
+    # flows from the packets table, grouped by pyarrow
+    t = pq.read_table(pqdir / "packets.parquet").group_by(["src_nic", "dst_nic", "udp_sport", "dest_qp"]) \
+        .aggregate([("frame_len", "sum"), ("frame_len", "count")]).to_pylist()
+    want = {(topo.ipv4_str(r["src_nic"]), topo.ipv4_str(r["dst_nic"]), r["udp_sport"], r["dest_qp"]):
+            (r["frame_len_count"], r["frame_len_sum"]) for r in t}
+    got = {(f["src"], f["dst"], f["udp_sport"], f["dest_qp"]): (f["packets"], f["bytes"]) for f in doc["flows"]}
+    assert got == want
+    for r in doc["nics"]:
+        nic = r["nic_index"]
+        assert r["nic"] == topo.ipv4_str(nic) and r["node"] == int(topo.nic_node[nic])
+        assert r["tx_bytes"] == int(pk["frame_len"][pk["src_nic"] == nic].sum())
+        assert r["rx_bytes"] == int(pk["frame_len"][pk["dst_nic"] == nic].sum())
+        assert r["tx_packets"] == int((pk["src_nic"] == nic).sum())
+    counts = np.bincount(pk["opcode"], minlength=256)
+    assert sum(doc["opcodes"].values()) == len(pk["opcode"])
+    assert doc["acks"] == counts[0x11]
+    # messages reassembled from the capture's opcodes = the network messages of the table
+    msgs = np_table(pqdir / "messages.parquet", ["link", "wire_bytes"])
+    net = msgs["link"] == "network"
+    assert doc["message_sizes"]["count"] == int(net.sum())
+    assert doc["message_sizes"]["sum"] == int(msgs["wire_bytes"][net].sum())
+    # node x node matrix from the table
+    m = np.zeros((2, 2), dtype=np.int64)
+    np.add.at(m, (topo.nic_node[pk["src_nic"]], topo.nic_node[pk["dst_nic"]]), pk["frame_len"])
+    assert doc["matrix"]["nodes"] == ["node0", "node1"] and doc["matrix"]["bytes"] == m.tolist()
+
+
+def test_generated_parquet_summary_equals_capture_summary(generated):
+    from wiretrace.plan import load
+
+    cap, pqdir = generated
+    plan = load(PLAN)
+    a = summarize(cap, plan=plan)
+    b = summarize(pqdir, plan=plan)
+    for key in ("totals", "flows", "nics", "burstiness", "onoff", "opcodes", "ecn", "matrix", "flow_sizes"):
+        assert a[key] == b[key], key
+    ma, mb = dict(a["message_sizes"]), dict(b["message_sizes"])
+    assert (ma.pop("source"), mb.pop("source")) == ("capture", "messages.parquet")
+    assert ma == mb
+    assert b["line_rate_bps"] == 400e9
+
+
+def test_generated_bytes_by_parallelism_and_phase_from_joined_tables(generated):
+    _, pqdir = generated
+    pk = pq.read_table(pqdir / "packets.parquet", columns=["msg_id", "frame_len"])
+    msgs = pq.read_table(pqdir / "messages.parquet", columns=["msg_id", "op_id"])
+    coll = pq.read_table(pqdir / "collectives.parquet", columns=["op_id", "parallelism", "phase"])
+    coll = coll.cast(pa_schema_strings(coll.schema))
+    j = pk.join(msgs, "msg_id").join(coll, "op_id")
+    assert j.num_rows == pk.num_rows
+    for g in ("parallelism", "phase"):
+        want = {r[g]: r["frame_len_sum"] for r in j.group_by(g).aggregate([("frame_len", "sum")]).to_pylist()}
+        doc = summarize(pqdir, by=g)
+        assert {r[g]: r["bytes"] for r in doc["by"]["rows"]} == want
+
+
+def pa_schema_strings(schema):
+    import pyarrow as pa
+
+    return pa.schema([pa.field(f.name, pa.string() if pa.types.is_dictionary(f.type) else f.type) for f in schema])

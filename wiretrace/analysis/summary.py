@@ -363,10 +363,24 @@ class Summary:
             return None
         return float(wire_bytes) * 8e9 / span / self.line_rate_bps
 
+    def _ep_sort(self, e: int) -> tuple:
+        """Sort key of an endpoint: NIC index when known, else its address (numerically)."""
+        ep = self.endpoints
+        label = ep.label[e]
+        try:
+            import ipaddress
+
+            addr = (0, int(ipaddress.ip_address(label)))
+        except ValueError:
+            addr = (1, label)
+        return (ep.nic[e] if ep.nic[e] >= 0 else 1 << 40, addr)
+
     def nic_rows(self) -> list[dict]:
+        """Per NIC (ordered by NIC index, else address): packets and bytes sent and received,
+        utilization of each direction."""
         ep = self.endpoints
         rows = []
-        for i in range(len(self.ep["tx_packets"])):
+        for i in sorted(range(len(self.ep["tx_packets"])), key=self._ep_sort):
             rows.append({
                 "nic": ep.label[i], "nic_index": ep.nic[i] if ep.nic[i] >= 0 else None,
                 "node": ep.node[i] if ep.node[i] >= 0 else None,
@@ -380,7 +394,10 @@ class Summary:
     def flow_rows(self) -> list[dict]:
         f, ep = self.flows, self.endpoints
         n = f.n
-        order = np.lexsort((np.arange(n), -f.bytes[:n]))
+        # largest first; ties in a fixed order (addresses, ports), whatever the input's order
+        order = sorted(range(n), key=lambda i: (-int(f.bytes[i]), self._ep_sort(int(f.src[i])),
+                                                self._ep_sort(int(f.dst[i])), int(f.udp_sport[i]),
+                                                int(f.dest_qp[i])))
         rows = []
         for i in order:
             dur = int(f.last_ns[i] - f.first_ns[i])
@@ -403,7 +420,8 @@ class Summary:
         f = self.flows
         names = []
         idx = {}
-        for e in range(len(self.endpoints)):
+        for e in sorted(range(len(self.endpoints)), key=lambda e: (self.endpoints.node[e] if self.endpoints.node[e] >= 0
+                                                                    else 1 << 40, self._ep_sort(e))):
             nm = self._node_of(e)
             if nm not in idx:
                 idx[nm] = len(names)
@@ -422,7 +440,8 @@ class Summary:
             return [dict(r, share=r["tx_bytes"] / total) for r in self.nic_rows()]
         if by == "node":
             acc: dict[str, dict] = {}
-            for e, r in enumerate(self.nic_rows()):
+            for e in sorted(range(len(self.ep["tx_packets"])), key=self._ep_sort):
+                r = {k: int(self.ep[k][e]) for k in ("tx_packets", "tx_bytes", "rx_packets", "rx_bytes")}
                 nm = self._node_of(e)
                 a = acc.setdefault(nm, {"node": nm, "tx_packets": 0, "tx_bytes": 0, "rx_packets": 0,
                                         "rx_bytes": 0, "tx_wire": 0, "rx_wire": 0})
@@ -448,7 +467,7 @@ class Summary:
     def burst_rows(self) -> tuple[list[dict], list[dict]]:
         end = self.window_ns[1] if self.window_ns else None
         rows, onoff = [], []
-        for key in self.burst.keys():
+        for key in sorted(self.burst.keys(), key=lambda k: (self._ep_sort(int(k) // 2), int(k) % 2)):
             e, d = int(key) // 2, ("tx", "rx")[int(key) % 2]
             head = {"nic": self.endpoints.label[e], "direction": d}
             for r in self.burst.window_stats(int(key), end):
