@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from ..errors import InputFormatError, WiretraceError
 from . import chakra, kineto, nccl_log, nccl_tests
-from .common import Partial, Rows, Skip, counts_by_op, read_bytes, text_lines
+from .common import Partial, Rows, Skip, counts_by_op, read_head, text_lines
 
 FORMATS = ("nccl-log", "kineto", "chakra", "nccl-tests")
 """Names accepted by ``fmt`` (and ``wiretrace schedule --format``), besides ``auto``."""
@@ -75,7 +75,7 @@ def detect_format(path: Path | str) -> str:
     FileNotFoundError : the file does not exist.
     """
     path = Path(path)
-    data = read_bytes(path, [])
+    data = read_head(path)
     head = data[:4096]
     stripped = head.lstrip()
     if stripped[:1] in (b"{", b"["):
@@ -85,7 +85,7 @@ def detect_format(path: Path | str) -> str:
         if chakra.looks_like_json(text):
             return "chakra"
     elif _is_text(head):
-        lines = text_lines(data[:1 << 22])
+        lines = text_lines(data)
         if nccl_tests.looks_like(lines):
             return "nccl-tests"
         if nccl_log.looks_like(lines):

@@ -160,14 +160,19 @@ def _node_from_proto(buf: bytes) -> dict:
 def looks_like_binary(data: bytes) -> bool:
     """True when ``data`` starts with two length-prefixed protobuf messages (GlobalMetadata, Node)."""
     try:
-        pos = 0
-        for _ in range(2):
-            n, pos = _varint(data, pos)
-            if n == 0 or pos + n > len(data):
-                return False
-            list(fields(data[pos:pos + n]))
-            pos += n
-        return True
+        n, pos = _varint(data, 0)
+        if n == 0 or pos + n > len(data):
+            return False
+        first = list(fields(data[pos:pos + n]))
+        if not first or any(wt not in (0, 2) for _, wt, _ in first):
+            return False
+        pos += n
+        if pos >= len(data):
+            return True
+        n, pos = _varint(data, pos)
+        if pos + n > len(data):
+            return n > 0  # a file cut off inside its first node
+        return bool(list(fields(data[pos:pos + n])))
     except WireError:
         return False
 

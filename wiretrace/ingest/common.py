@@ -184,6 +184,19 @@ def read_bytes(path: Path, skipped: list[Skip]) -> bytes:
         return out
 
 
+def read_head(path: Path, n: int = 4 << 20) -> bytes:
+    """The first ``n`` bytes of a file's content (gunzipped when it is gzip), for format detection."""
+    with open(path, "rb") as f:
+        raw = f.read(n)
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        with gzip.open(path, "rb") as g:
+            return g.read(n)
+    except (EOFError, OSError, zlib.error):
+        return zlib.decompressobj(wbits=47).decompress(raw)
+
+
 def iter_lines(path: Path, skipped: list[Skip]):
     """Lines of a text file (gzip accepted) without line ends, streamed: a multi-GB log is never
     held in memory. A cut-off gzip stream ends the lines where it breaks, with a :class:`Skip`."""

@@ -32,7 +32,7 @@ from collections import defaultdict
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from .common import DTYPE_SIZE, UNKNOWN, Partial, Skip, counts_by_op, parallelism_from_desc, read_bytes, sizes
+from .common import UNKNOWN, Partial, Skip, counts_by_op, parallelism_from_desc, read_bytes, sizes
 
 # c10::ScalarType names (c10/core/ScalarType.h) -> (table dtype, bytes per element).
 SCALAR_TYPES = {

@@ -146,12 +146,6 @@ def parse_nccl_algo(value: str) -> dict[str, str]:
     return out
 
 
-def _hexint(text: str) -> int | None:
-    try:
-        return int(text, 16)
-    except ValueError:
-        return None
-
 
 class _UnionFind:
     """Handles joined into communicators. A communicator of n ranks holds at most n GPUs, never
