@@ -326,3 +326,44 @@ def test_no_warning_on_clean_file():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sum(len(b) for b in iter_frames(REAL / "scapy_roce_test_vectors.pcap")) == 2
+
+
+def test_pcapng_runs_across_buffers_and_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(capture, "_READ_CHUNK", 150)  # many refills inside runs of EPBs
+    f1, f2 = real_frames()
+    frames, want_ts, want_if, data = [], [], [], ng_shb("<") + ng_idb("<", "a", 9)
+    for i in range(7):
+        fr = (f1 if i % 2 else f2) + bytes([i])
+        data += ng_epb("<", 0, 10**18 + i, fr)
+        frames.append(fr)
+        want_ts.append(10**18 + i)
+        want_if.append(0)
+    data += ng_idb("<", "b", 6)          # a second interface declared mid-stream
+    data += ng_spb("<", f1)              # interface 0, previous timestamp
+    frames.append(f1)
+    want_ts.append(10**18 + 6)
+    want_if.append(0)
+    for i in range(5):
+        data += ng_epb("<", 1, 2 * 10**15 + i, f2)
+        frames.append(f2)
+        want_ts.append((2 * 10**15 + i) * 1000)
+        want_if.append(1)
+    path = tmp_path / "runs.pcapng"
+    path.write_bytes(data)
+    for k in (1, 2, 3, 100):
+        got = all_frames(path, max_frames=k)
+        assert got["bytes"] == frames and got["ts"] == want_ts and got["iface"] == want_if, k
+        assert got["names"] == ["a"] * 8 + ["b"] * 5
+
+
+def test_erf_records_inside_pcapng(tmp_path):
+    t = 1_700_000_000_000_000_123
+    data = ng_shb("<") + ng_idb("<", "ib0", 9, linktype=197)
+    data += ng_epb("<", 0, t, erf_record(t, 21, IB_FRAME))
+    data += ng_epb("<", 0, t + 1, erf_record(t + 1, 48, bytes(8)))  # ERF padding: kept as is
+    path = tmp_path / "ib.pcapng"
+    path.write_bytes(data)
+    got = all_frames(path)
+    assert got["linktype"] == [LINKTYPE_INFINIBAND, 197]
+    assert got["bytes"][0] == IB_FRAME and got["ts"][0] == t
+    assert len(tshark_fields(path, "frame.number")) == 2

@@ -280,6 +280,20 @@ class _BatchBuilder:
         )
 
 
+def _gather_ranges(buf: bytes, starts: list[int], lengths: list[int]) -> np.ndarray:
+    """Concatenate ``buf[s:s + n]`` for increasing, non-overlapping ranges, as one uint8 array
+    (a mask over the span, so no per-byte index array is built)."""
+    lo, hi = starts[0], starts[-1] + lengths[-1]
+    region = np.frombuffer(buf, dtype=np.uint8, count=hi - lo, offset=lo)
+    st = np.array(starts, dtype=np.int64) - lo
+    ln = np.array(lengths, dtype=np.int64)
+    nz = ln > 0
+    marks = np.zeros(hi - lo + 1, dtype=np.int8)
+    marks[st[nz]] += 1
+    marks[st[nz] + ln[nz]] -= 1
+    return region[np.cumsum(marks[:-1], dtype=np.int8) > 0]
+
+
 def _erf_timestamp_ns(ts: int) -> int:
     """ERF 32.32 fixed-point timestamp -> ns, rounded to nearest as Wireshark's wiretap does."""
     return (ts >> 32) * 1_000_000_000 + (((ts & 0xFFFFFFFF) * 1_000_000_000 + (1 << 31)) >> 32)
@@ -359,6 +373,7 @@ class Capture:
             self.interfaces: list[Interface] = []
             self.truncated: Truncation | None = None
             self.frames = 0
+            self._pending = 0  # frames read into the batch being built
             self._sniff(head)
         except BaseException:
             self._f.close()
@@ -447,23 +462,16 @@ class Capture:
         """
         if max_frames < 1 or max_bytes < 1:
             raise ValueError("max_frames and max_bytes must be positive")
-        if self.format in ("pcap", "pcap-ns") and self.interfaces[0].linktype != LINKTYPE_ERF:
-            yield from self._batches_pcap(max_frames, max_bytes)
+        if self.format == "erf":
+            yield from self._batches_erf(max_frames, max_bytes)
             return
-        reader = {"pcap": self._records_pcap, "pcap-ns": self._records_pcap,
-                  "pcapng": self._records_pcapng, "erf": self._records_erf}[self.format]
+        walk = self._batches_pcap if self.format in ("pcap", "pcap-ns") else self._batches_pcapng
+        for batch in walk(max_frames, max_bytes):
+            yield self._unwrap_erf_frames(batch)
+
+    def _batches_erf(self, max_frames: int, max_bytes: int) -> Iterator[FrameBatch]:
         batch = _BatchBuilder(self.frames)
-        for rec in reader():
-            ts_ns, payload, origlen, linktype, iface = rec
-            if linktype == LINKTYPE_ERF:
-                try:
-                    unwrapped = _unwrap_erf(payload)
-                except ValueError as e:
-                    raise InputFormatError(
-                        f"{self.path}: frame {self.frames + 1}: bad ERF record: {e}") from None
-                if unwrapped is None:
-                    continue
-                ts_ns, payload, origlen, linktype, _port = unwrapped
+        for ts_ns, payload, origlen, linktype, iface in self._records_erf():
             batch.add(ts_ns, payload, origlen, linktype, iface)
             self.frames += 1
             if len(batch) >= max_frames or batch.nbytes >= max_bytes:
@@ -472,6 +480,28 @@ class Capture:
         if len(batch):
             yield batch.build(self.interfaces)
 
+    def _unwrap_erf_frames(self, batch: FrameBatch) -> FrameBatch:
+        """Frames of link type 197 (ERF records inside pcap/pcapng) -> their link-layer frame.
+
+        Records that carry no frame (padding, metadata) stay as they are, so that frame numbers
+        keep matching Wireshark's."""
+        if not (batch.linktype == LINKTYPE_ERF).any():
+            return batch
+        out = _BatchBuilder(batch.first)
+        for i in range(len(batch)):
+            payload = batch.frame(i)
+            ts, orig, lt = int(batch.ts_ns[i]), int(batch.origlen[i]), int(batch.linktype[i])
+            if lt == LINKTYPE_ERF:
+                try:
+                    unwrapped = _unwrap_erf(payload)
+                except ValueError as e:
+                    raise InputFormatError(f"{self.path}: frame {batch.first + i + 1}: bad ERF "
+                                           f"record: {e}") from None
+                if unwrapped is not None:
+                    ts, payload, orig, lt, _port = unwrapped
+            out.add(ts, payload, orig, lt, int(batch.iface[i]))
+        return out.build(batch.interfaces)
+
     def _batches_pcap(self, max_frames: int, max_bytes: int) -> Iterator[FrameBatch]:
         """Plain pcap, the common case, read run by run: the record headers are walked in a
         tight loop over the read buffer and each run's frame bytes are gathered with one NumPy
@@ -479,7 +509,6 @@ class Capture:
         win, rec, frac_ns = self._win, self._pcap_rec, self._pcap_frac_ns
         hlen = rec.size
         unpack = rec.unpack_from
-        linktype = self.interfaces[0].linktype
         done = False
         while not done:
             secs: list[int] = []
@@ -514,177 +543,219 @@ class Capture:
                     nbytes += caplen
                     pos += hlen + caplen
                 if starts:
-                    # the run is [header][frame][header][frame]...: drop the headers
-                    lo = starts[0] - hlen
-                    region = np.frombuffer(buf, dtype=np.uint8, count=pos - lo, offset=lo)
-                    keep = np.ones(pos - lo, dtype=bool)
-                    hdr = np.array(starts, dtype=np.int64) - hlen - lo
-                    keep[(hdr[:, None] + np.arange(hlen)).reshape(-1)] = False
-                    parts.append(region[keep])
+                    parts.append(_gather_ranges(buf, starts, caps[first_cap:]))
                 win.pos = pos
                 if len(caps) >= max_frames or nbytes >= max_bytes:
                     break
                 if not win.need(need):
                     if win.remaining:
-                        self.frames += len(caps)
+                        self._pending = len(caps)
                         self._cut(need)
-                        self.frames -= len(caps)
                     done = True
                     break
             if not caps:
                 return
-            c = np.array(caps, dtype=np.int32)
-            offsets = np.zeros(len(c) + 1, dtype=np.int64)
-            np.cumsum(c, out=offsets[1:])
             ts = (np.array(secs, dtype=np.int64) * 1_000_000_000
                   + np.array(fracs, dtype=np.int64) * frac_ns)
-            batch = FrameBatch(
-                first=self.frames, ts_ns=ts, caplen=c,
-                origlen=np.maximum(np.array(origs, dtype=np.int64), c).astype(np.int32),
-                linktype=np.full(len(c), linktype, dtype=np.uint16),
-                iface=np.zeros(len(c), dtype=np.int16),
-                data=np.concatenate(parts) if len(parts) != 1 else parts[0],
-                offsets=offsets, interfaces=tuple(self.interfaces))
-            self.frames += len(c)
-            yield batch
+            origs = np.maximum(np.array(origs, dtype=np.int64), np.array(caps, dtype=np.int64))
+            yield self._build(ts, caps, origs, [0] * len(caps), parts)
 
     def _cut(self, needed: int) -> None:
         """Record that the file ends inside the next record."""
-        self.truncated = Truncation(frame=self.frames + 1, offset=self._win.offset,
-                                    needed=needed, present=self._win.remaining)
+        self.truncated = Truncation(frame=self.frames + self._pending + 1,
+                                    offset=self._win.offset, needed=needed,
+                                    present=self._win.remaining)
 
     def _corrupt(self, what: str) -> InputFormatError:
         return InputFormatError(f"{self.path}: byte {self._win.offset}: {what}")
 
-    def _records_pcap(self):
-        win, rec, frac_ns = self._win, self._pcap_rec, self._pcap_frac_ns
-        hlen = rec.size
-        linktype = self.interfaces[0].linktype
-        unpack = rec.unpack_from
-        while True:
-            if not win.need(hlen):
-                if win.remaining:
-                    self._cut(hlen)
-                return
-            fields = unpack(win.buf, win.pos)
-            sec, frac, caplen, origlen = fields[:4]
-            if caplen > MAX_RECORD_CAPLEN:
-                raise self._corrupt(f"pcap record of frame {self.frames + 1} claims {caplen} "
-                                    f"captured bytes (at most {MAX_RECORD_CAPLEN} expected)")
-            if not win.need(hlen + caplen):
-                self._cut(hlen + caplen)
-                return
-            start = win.pos + hlen
-            payload = memoryview(win.buf)[start:start + caplen]
-            win.pos = start + caplen
-            yield sec * 1_000_000_000 + frac * frac_ns, payload, max(origlen, caplen), linktype, 0
+    # pcapng ----------------------------------------------------------------------------------
 
-    def _records_pcapng(self):
+    def _ng_section(self, order: str) -> None:
+        """Start a pcapng section in byte order ``order``: no interfaces declared yet."""
+        self._ng_order = order
+        self._ng_blk = struct.Struct(order + "II")
+        self._ng_u32 = struct.Struct(order + "I")
+        self._ng_epb = struct.Struct(order + "IIIII")
+        self._ng_pb = struct.Struct(order + "HHIIII")
+        self._ng_scale: list[tuple[int, int, int, int]] = []  # per interface of the section
+        self._ng_first_iface = len(self.interfaces)
+
+    def _ng_ts(self, iface: int, tsh: int, tsl: int) -> int:
+        mul, shift, div, off = self._ng_scale[iface]
+        return ((((tsh << 32) | tsl) * mul) >> shift) // div + off
+
+    def _ng_block(self):
+        """Process the pcapng block at the read position.
+
+        Returns None at the end of the file (a cut block is recorded in :attr:`truncated`),
+        ``()`` for a block without a frame, or ``(ts_ns, payload, origlen, iface)``.
+        """
         win = self._win
-        order = "<"
-        ts_scale: list[tuple[int, int, int]] = []  # per interface of this section: mul, shift/div
-        first_iface = 0  # index of this section's first interface in self.interfaces
-        last_ts = 0
-        epb = struct.Struct("<IIIII")
-        spb = struct.Struct("<I")
-        pb = struct.Struct("<HHIIII")
-        blk = struct.Struct("<II")
-        u32 = struct.Struct("<I")
-        while True:
-            if not win.need(8):
-                if win.remaining:
-                    self._cut(12)
+        if not win.need(8):
+            if win.remaining:
+                self._cut(12)
+            return None
+        btype, blen = self._ng_blk.unpack_from(win.buf, win.pos)
+        if btype == _PCAPNG_SHB:
+            if not win.need(12):
+                self._cut(12)
+                return None
+            bom = win.buf[win.pos + 8:win.pos + 12]
+            if bom == b"\x4d\x3c\x2b\x1a":
+                self._ng_section("<")
+            elif bom == b"\x1a\x2b\x3c\x4d":
+                self._ng_section(">")
+            else:
+                raise self._corrupt(f"pcapng section header with byte-order magic {bom.hex()}"
+                                    " (expected 1a2b3c4d in either byte order)")
+            btype, blen = self._ng_blk.unpack_from(win.buf, win.pos)
+        if blen < 12 or blen % 4:
+            raise self._corrupt(f"pcapng block of type {btype:#x} has length {blen} "
+                                "(expected a multiple of 4, at least 12)")
+        if blen > MAX_RECORD_CAPLEN + 64 and btype in (_PCAPNG_EPB, _PCAPNG_SPB, _PCAPNG_PB):
+            raise self._corrupt(f"pcapng packet block of {blen} bytes "
+                                f"(at most {MAX_RECORD_CAPLEN} bytes of packet expected)")
+        if not win.need(blen):
+            self._cut(blen)
+            return None
+        p, buf = win.pos, win.buf
+        if self._ng_u32.unpack_from(buf, p + blen - 4)[0] != blen:
+            raise self._corrupt(f"pcapng block of type {btype:#x}: trailing length differs "
+                                f"from leading length {blen}")
+        result = ()
+        if btype == _PCAPNG_EPB or btype == _PCAPNG_PB:
+            if btype == _PCAPNG_EPB:
+                iface, tsh, tsl, caplen, origlen = self._ng_epb.unpack_from(buf, p + 8)
+            else:
+                iface, _drops, tsh, tsl, caplen, origlen = self._ng_pb.unpack_from(buf, p + 8)
+            if iface >= len(self._ng_scale):
+                raise self._corrupt(f"packet on interface {iface}, but the section declares "
+                                    f"{len(self._ng_scale)} interface(s)")
+            if 28 + caplen > blen - 4:
+                raise self._corrupt(f"pcapng packet block of {blen} bytes claims {caplen} "
+                                    "captured bytes")
+            self._ng_last_ts = self._ng_ts(iface, tsh, tsl)
+            result = (self._ng_last_ts, buf[p + 28:p + 28 + caplen], max(origlen, caplen),
+                      self._ng_first_iface + iface)
+        elif btype == _PCAPNG_SPB:
+            if not self._ng_scale:
+                raise self._corrupt("simple packet block before any interface description")
+            (origlen,) = self._ng_u32.unpack_from(buf, p + 8)
+            snap = self.interfaces[self._ng_first_iface].snaplen
+            caplen = min(origlen, blen - 16, snap if snap else origlen)
+            # A Simple Packet Block has no timestamp: it keeps the previous frame's time.
+            result = (self._ng_last_ts, buf[p + 12:p + 12 + caplen], origlen,
+                      self._ng_first_iface)
+        elif btype == _PCAPNG_IDB:
+            self._ng_interface(bytes(buf[p:p + blen]))
+        win.pos = p + blen
+        return result
+
+    def _ng_interface(self, block: bytes) -> None:
+        """Declare the interface of an Interface Description Block (options read by dpkt)."""
+        le = self._ng_order == "<"
+        idb_cls = (dpkt.pcapng.InterfaceDescriptionBlockLE if le
+                   else dpkt.pcapng.InterfaceDescriptionBlock)
+        try:
+            idb = idb_cls(block)
+        except (dpkt.UnpackError, dpkt.NeedData) as e:
+            raise self._corrupt(f"bad pcapng interface description block: {e}") from None
+        index = len(self.interfaces)
+        name, tsresol, tsoffset = f"if{index}", 6, 0
+        for opt in idb.opts:
+            if opt.code == dpkt.pcapng.PCAPNG_OPT_IF_NAME:
+                name = opt.data.rstrip(b"\0").decode("utf-8", "replace") or name
+            elif opt.code == dpkt.pcapng.PCAPNG_OPT_IF_TSRESOL and opt.data:
+                tsresol = opt.data[0]
+            elif opt.code == dpkt.pcapng.PCAPNG_OPT_IF_TSOFFSET and len(opt.data) >= 8:
+                tsoffset = struct.unpack(self._ng_order + "q", opt.data[:8])[0]
+        off = tsoffset * 1_000_000_000
+        if tsresol & 0x80:  # a negative power of two
+            scale = (1_000_000_000, tsresol & 0x7F, 1, off)
+        elif tsresol <= 9:  # a negative power of ten
+            scale = (10 ** (9 - tsresol), 0, 1, off)
+        else:
+            scale = (1, 0, 10 ** (tsresol - 9), off)
+        self._ng_scale.append(scale)
+        self.interfaces.append(Interface(index, name, idb.linktype, idb.snaplen))
+
+    def _batches_pcapng(self, max_frames: int, max_bytes: int) -> Iterator[FrameBatch]:
+        """pcapng read run by run: consecutive Enhanced Packet Blocks are walked in a tight loop
+        and their bytes gathered with one NumPy operation; every other block goes through
+        :meth:`_ng_block`."""
+        win = self._win
+        self._ng_section("<")  # replaced by the first block, a Section Header Block
+        self._ng_last_ts = 0
+        done = False
+        while not done:
+            ts: list[int] = []
+            ifs: list[int] = []
+            caps: list[int] = []
+            origs: list[int] = []
+            parts: list = []
+            nbytes = 0
+            while len(caps) < max_frames and nbytes < max_bytes:
+                buf, pos, end = win.buf, win.pos, len(win.buf)
+                blk, epb, u32 = self._ng_blk, self._ng_epb, self._ng_u32
+                scale, first_iface = self._ng_scale, self._ng_first_iface
+                nif = len(scale)
+                starts: list[int] = []
+                run_caps: list[int] = []
+                while len(caps) < max_frames and nbytes < max_bytes and pos + 28 <= end:
+                    btype, blen = blk.unpack_from(buf, pos)
+                    if btype != _PCAPNG_EPB or pos + blen > end or blen < 32:
+                        break
+                    iface, tsh, tsl, caplen, origlen = epb.unpack_from(buf, pos + 8)
+                    if (iface >= nif or 32 + caplen > blen
+                            or u32.unpack_from(buf, pos + blen - 4)[0] != blen):
+                        break  # let _ng_block report it
+                    mul, shift, div, off = scale[iface]
+                    ts.append(((((tsh << 32) | tsl) * mul) >> shift) // div + off)
+                    ifs.append(first_iface + iface)
+                    caps.append(caplen)
+                    origs.append(max(origlen, caplen))
+                    starts.append(pos + 28)
+                    run_caps.append(caplen)
+                    nbytes += caplen
+                    pos += blen
+                if starts:
+                    parts.append(_gather_ranges(buf, starts, run_caps))
+                    self._ng_last_ts = ts[-1]
+                win.pos = pos
+                if len(caps) >= max_frames or nbytes >= max_bytes:
+                    break
+                self._pending = len(caps)
+                result = self._ng_block()
+                if result is None:
+                    done = True
+                    break
+                if result:
+                    t, payload, origlen, gidx = result
+                    ts.append(t)
+                    ifs.append(gidx)
+                    caps.append(len(payload))
+                    origs.append(origlen)
+                    parts.append(np.frombuffer(bytes(payload), dtype=np.uint8))
+                    nbytes += len(payload)
+            if not caps:
                 return
-            btype, blen = blk.unpack_from(win.buf, win.pos)
-            if btype == _PCAPNG_SHB:
-                if not win.need(12):
-                    self._cut(12)
-                    return
-                bom = win.buf[win.pos + 8:win.pos + 12]
-                if bom == b"\x4d\x3c\x2b\x1a":
-                    order = "<"
-                elif bom == b"\x1a\x2b\x3c\x4d":
-                    order = ">"
-                else:
-                    raise self._corrupt(f"pcapng section header with byte-order magic {bom.hex()}"
-                                        " (expected 1a2b3c4d in either byte order)")
-                epb, spb, pb, blk, u32 = (struct.Struct(order + s.format.lstrip("<>"))
-                                          for s in (epb, spb, pb, blk, u32))
-                btype, blen = blk.unpack_from(win.buf, win.pos)
-            if blen < 12 or blen % 4:
-                raise self._corrupt(f"pcapng block of type {btype:#x} has length {blen} "
-                                    "(expected a multiple of 4, at least 12)")
-            if blen > MAX_RECORD_CAPLEN + 64 and btype in (_PCAPNG_EPB, _PCAPNG_SPB, _PCAPNG_PB):
-                raise self._corrupt(f"pcapng packet block of {blen} bytes "
-                                    f"(at most {MAX_RECORD_CAPLEN} bytes of packet expected)")
-            if not win.need(blen):
-                self._cut(blen)
-                return
-            p = win.pos
-            if u32.unpack_from(win.buf, p + blen - 4)[0] != blen:
-                raise self._corrupt(f"pcapng block of type {btype:#x}: trailing length differs "
-                                    f"from leading length {blen}")
-            if btype == _PCAPNG_EPB or btype == _PCAPNG_PB:
-                if btype == _PCAPNG_EPB:
-                    iface, tsh, tsl, caplen, origlen = epb.unpack_from(win.buf, p + 8)
-                    dpos = p + 28
-                else:
-                    iface, _drops, tsh, tsl, caplen, origlen = pb.unpack_from(win.buf, p + 8)
-                    dpos = p + 28
-                if iface >= len(ts_scale):
-                    raise self._corrupt(f"packet on interface {iface}, but the section declares "
-                                        f"{len(ts_scale)} interface(s)")
-                if dpos + caplen > p + blen - 4:
-                    raise self._corrupt(f"pcapng packet block of {blen} bytes claims {caplen} "
-                                        "captured bytes")
-                mul, shift, div, off = ts_scale[iface]
-                raw = (tsh << 32) | tsl
-                ts_ns = (((raw * mul) >> shift) // div) + off
-                last_ts = ts_ns
-                gidx = first_iface + iface
-                yield (ts_ns, memoryview(win.buf)[dpos:dpos + caplen], max(origlen, caplen),
-                       self.interfaces[gidx].linktype, gidx)
-            elif btype == _PCAPNG_SPB:
-                if not ts_scale:
-                    raise self._corrupt("simple packet block before any interface description")
-                (origlen,) = spb.unpack_from(win.buf, p + 8)
-                snap = self.interfaces[first_iface].snaplen
-                caplen = min(origlen, blen - 16, snap if snap else origlen)
-                # A Simple Packet Block has no timestamp: keep the previous frame's time.
-                yield (last_ts, memoryview(win.buf)[p + 12:p + 12 + caplen], origlen,
-                       self.interfaces[first_iface].linktype, first_iface)
-            elif btype == _PCAPNG_IDB:
-                idb_cls = (dpkt.pcapng.InterfaceDescriptionBlockLE if order == "<"
-                           else dpkt.pcapng.InterfaceDescriptionBlock)
-                try:
-                    idb = idb_cls(bytes(win.buf[p:p + blen]))
-                except (dpkt.UnpackError, dpkt.NeedData) as e:
-                    raise self._corrupt(f"bad pcapng interface description block: {e}") from None
-                index = len(self.interfaces)
-                name, scale = f"if{index}", (1, 0, 1, 0)
-                tsresol, tsoffset = 6, 0
-                for opt in idb.opts:
-                    if opt.code == dpkt.pcapng.PCAPNG_OPT_IF_NAME:
-                        name = opt.data.rstrip(b"\0").decode("utf-8", "replace") or name
-                    elif opt.code == dpkt.pcapng.PCAPNG_OPT_IF_TSRESOL and opt.data:
-                        tsresol = opt.data[0]
-                    elif opt.code == dpkt.pcapng.PCAPNG_OPT_IF_TSOFFSET and len(opt.data) >= 8:
-                        tsoffset = struct.unpack(order + "q", opt.data[:8])[0]
-                if tsresol & 0x80:  # negative power of two
-                    scale = (1_000_000_000, tsresol & 0x7F, 1, tsoffset * 1_000_000_000)
-                else:
-                    exp = tsresol
-                    if exp <= 9:
-                        scale = (10 ** (9 - exp), 0, 1, tsoffset * 1_000_000_000)
-                    else:
-                        scale = (1, 0, 10 ** (exp - 9), tsoffset * 1_000_000_000)
-                if len(ts_scale) == 0:
-                    first_iface = index
-                ts_scale.append(scale)
-                self.interfaces.append(Interface(index, name, idb.linktype, idb.snaplen))
-            elif btype == _PCAPNG_SHB:
-                ts_scale = []  # a new section starts with no interfaces
-            win.pos = p + blen
+            yield self._build(ts, caps, origs, ifs, parts)
+
+    def _build(self, ts, caps, origs, ifs, parts) -> FrameBatch:
+        c = np.array(caps, dtype=np.int32)
+        offsets = np.zeros(len(c) + 1, dtype=np.int64)
+        np.cumsum(c, out=offsets[1:])
+        iface = np.array(ifs, dtype=np.int16)
+        links = np.array([i.linktype for i in self.interfaces], dtype=np.uint16)
+        batch = FrameBatch(
+            first=self.frames, ts_ns=np.array(ts, dtype=np.int64), caplen=c,
+            origlen=np.array(origs, dtype=np.int32), linktype=links[iface], iface=iface,
+            data=(np.concatenate(parts) if len(parts) != 1 else parts[0]).astype(np.uint8, copy=False),
+            offsets=offsets, interfaces=tuple(self.interfaces))
+        self.frames += len(c)
+        self._pending = 0
+        return batch
 
     def _records_erf(self):
         win = self._win
