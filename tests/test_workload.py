@@ -230,6 +230,22 @@ def test_ddp_buckets_reverse_order_close_when_full():
     assert ready == sorted(ready) and ready[-1] > ready[0]
 
 
+def test_ddp_first_bucket_cap():
+    """``Reducer::rebuild_buckets`` caps the first bucket (in gradient-ready order) at
+    ``first_bucket_bytes_cap`` (1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``), the rest at
+    ``bucket_cap_mb``. With a 2 MiB cap: [lm_head] then 2 MiB buckets; without the small first cap
+    the lm_head shares the first bucket."""
+    def sizes(**tr):
+        t = build_collectives(mkplan({"dp": 8}, model=TWO_LAYERS, training=dict(tr, global_batch_size=16)))
+        dp = rows(t, parallelism="dp")
+        return [r["bytes_global"] for r in sorted(dp, key=lambda r: int(r["tensor"][len("grad.bucket"):]))]
+
+    two = 2 * MIB + 1024
+    assert sizes(dp_bucket_bytes="2MiB") == [MIB, two, two, two, two, 1024 + MIB]
+    assert sizes(dp_bucket_bytes="2MiB", dp_first_bucket_bytes="2MiB") == [
+        two, 2 * MIB, 2 * MIB + 2048, 2 * MIB, 2 * MIB + 2048]
+
+
 def test_distributed_optimizer_reduce_scatter_and_all_gather():
     """Megatron-LM distributed optimizer (``zero: 1``/``2``; ``param_and_grad_buffer.py``): each
     bucket's gradients are reduce-scattered in grad_dtype (each rank receives 1/dp) and, after the

@@ -75,6 +75,7 @@ class Training:
     activation_dtype: str = "bf16"
     mfu: float = 0.4
     dp_bucket_bytes: int = 25 * 1024 * 1024
+    dp_first_bucket_bytes: int = 1024 * 1024    # PyTorch DDP _DEFAULT_FIRST_BUCKET_BYTES
     recompute: str = "none"
 
 
@@ -245,6 +246,8 @@ def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str 
     )
     if "dp_bucket_bytes" in tr:
         tr["dp_bucket_bytes"] = parse_size(tr["dp_bucket_bytes"], "plan $.training.dp_bucket_bytes")
+    if "dp_first_bucket_bytes" in tr:
+        tr["dp_first_bucket_bytes"] = parse_size(tr["dp_first_bucket_bytes"], "plan $.training.dp_first_bucket_bytes")
     tr.setdefault("activation_dtype", tr.get("param_dtype", "bf16"))
     if "global_batch_size" not in tr:
         tr["global_batch_size"] = tr.get("micro_batch_size", 1) * par.dp

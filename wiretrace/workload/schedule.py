@@ -24,7 +24,8 @@ What each parallelism exchanges (sources in the function docstrings):
   back; with tied embeddings the first and last stage all-reduce the embedding gradient
   (``_allreduce_word_embedding_grads``).
 * **DP** ``zero: 0``: PyTorch DDP (``torch/nn/parallel/distributed.py``, ``reducer.cpp``): gradient
-  buckets of ``dp_bucket_bytes`` filled in reverse registration order, a bucket closing when full,
+  buckets of ``dp_bucket_bytes`` (the first one ``dp_first_bucket_bytes``, 1 MiB) filled in reverse
+  registration order, a bucket closing when full,
   all-reduced in ``grad_dtype`` as soon as its last gradient is produced in the backward pass of
   the last micro-batch. ``zero: 1|2``: Megatron-LM distributed optimizer
   (``megatron/core/distributed/param_and_grad_buffer.py``, ``distrib_optimizer.py``): the same
@@ -442,17 +443,23 @@ class Workload:
 # Templates per (family, stage)
 # ---------------------------------------------------------------------------------------------
 
-def _buckets(w: Workload, tensors: list[ParamTensor], cap_bytes: int, elem_bytes: int) -> list[list[ParamTensor]]:
-    """PyTorch DDP bucketing: tensors in reverse registration order, a bucket closes once it
-    holds ``cap_bytes`` or more (``_compute_bucket_assignment_by_size``; tensors are never split)."""
+def _buckets(w: Workload, tensors: list[ParamTensor], cap_bytes: int, elem_bytes: int,
+             first_cap_bytes: int | None = None) -> list[list[ParamTensor]]:
+    """PyTorch DDP bucketing of one iteration after the first (``Reducer::rebuild_buckets`` in
+    ``torch/csrc/distributed/c10d/reducer.cpp``): tensors in the order their gradients become
+    ready (here: reverse registration order), a bucket closes once it holds its cap or more
+    (``compute_bucket_assignment_by_size``; tensors are never split); the first bucket's cap is
+    ``first_cap_bytes`` (``first_bucket_bytes_cap``, 1 MiB by default), the others ``cap_bytes``."""
     out: list[list[ParamTensor]] = []
     cur: list[ParamTensor] = []
     size = 0
+    limit = min(first_cap_bytes, cap_bytes) if first_cap_bytes else cap_bytes
     for t in reversed(tensors):
         cur.append(t)
         size += w.shard(t) * elem_bytes
-        if size >= cap_bytes:
+        if size >= limit:
             out.append(cur); cur = []; size = 0
+            limit = cap_bytes
     if cur:
         out.append(cur)
     return out
@@ -511,7 +518,8 @@ def _templates(w: Workload) -> dict[tuple[str, int, int], Template]:
                                        ("edp", [t for t in tensors if t.expert >= 0], nedp, "expert_bucket")):
                 if n == 1 or not sel:
                     continue
-                for k, bucket in enumerate(_buckets(w, sel, w.plan.training.dp_bucket_bytes, w.grad_b)):
+                first_cap = w.plan.training.dp_first_bucket_bytes if p.zero == 0 else None
+                for k, bucket in enumerate(_buckets(w, sel, w.plan.training.dp_bucket_bytes, w.grad_b, first_cap)):
                     tr = max(t0 + ready[t.layer if t.layer >= 0 else t.where] for t in bucket)
                     numel = sum(w.shard(t) for t in bucket)
                     if p.zero == 0:
