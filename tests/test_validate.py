@@ -17,7 +17,6 @@ import zlib
 from pathlib import Path
 
 import dpkt
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from scapy.contrib.roce import BTH
