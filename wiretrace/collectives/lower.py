@@ -154,11 +154,6 @@ def _split_on_qps(rows: dict, q: int, proto: str) -> dict:
 # ----------------------------------------------------------------------------- per collective
 
 
-def _esize(dtype: str, nbytes: int) -> int:
-    e = DTYPE_BYTES.get(dtype, 0) or 1
-    return e if nbytes % e == 0 else 1
-
-
 def _transfers(op: str, algo: str, ranks: np.ndarray, bpr: int, esize: int, root: int,
                topo: Topology, plan: Plan, rings, splits_row) -> alg.Transfers:
     co = plan.collectives
@@ -199,59 +194,48 @@ def _transfers(op: str, algo: str, ranks: np.ndarray, bpr: int, esize: int, root
 
 
 def _lower(coll: pa.Table, topo: Topology, plan: Plan, rings=None, splits=None) -> dict:
+    from .rows import read, unique_rows
     from .tuning import algorithm_names
 
-    nrow = coll.num_rows
-    op_id = coll.column("op_id").to_numpy().astype(np.int64)
-    ops = np.asarray(coll.column("op").to_pylist(), dtype=object)
-    dtypes = np.asarray(coll.column("dtype").to_pylist(), dtype=object)
-    bpr = coll.column("bytes_per_rank").to_numpy().astype(np.int64)
-    src_c = coll.column("src").to_numpy().astype(np.int64)
-    dst_c = coll.column("dst").to_numpy().astype(np.int64)
-    rl = coll.column("ranks").combine_chunks()
-    roff = rl.offsets.to_numpy().astype(np.int64)
-    rvals = rl.values.to_numpy(zero_copy_only=False).astype(np.int64)
-    gsize = coll.column("group_size").to_numpy().astype(np.int64)
-    algos = algorithm_names(coll, topo, plan)
-    world = topo.world_size
+    r = read(coll, topo, OPS)
+    op_id, ops, bpr = r.op_id, r.op, r.bytes_per_rank
+    algos = algorithm_names(coll, topo, plan, rows=r)
+    esz = np.array([DTYPE_BYTES.get(d, 0) or 1 for d in r.dtype.tolist()], dtype=np.int64) \
+        if len(op_id) else np.zeros(0, np.int64)
+    esz = np.where(bpr % esz == 0, esz, 1)
+    size = np.array([len(x) for x in r.comms], dtype=np.int64)[r.comm] if r.comms else np.zeros(len(op_id), np.int64)
+    # root of broadcast/reduce: src, else dst, else the first rank
+    first_rank = np.array([x[0] for x in r.comms], dtype=np.int64)[r.comm] if r.comms else size
+    root_g = np.where(r.src >= 0, r.src, np.where(r.dst >= 0, r.dst, first_rank))
+    rooted = (ops == "broadcast") | (ops == "reduce")
+    sp = np.full(len(op_id), -1, dtype=np.int64)
+    if splits:
+        has = np.isin(op_id, np.fromiter(splits.keys(), dtype=np.int64)) & (ops == "all_to_allv")
+        sp[has] = op_id[has]
+    live = (size >= 2) & (bpr > 0)
+    live &= ~((ops == "send_recv") & (r.src == r.dst))
+    idx = np.nonzero(live)[0]
+    keys: dict[tuple, np.ndarray] = {}
+    rank_lists = dict(enumerate(r.comms))
+    if len(idx):
+        root_key = np.where(rooted, root_g, -1)[idx]
+        first, inv = unique_rows(ops[idx], algos[idx], bpr[idx], esz[idx], root_key, r.comm[idx], sp[idx])
+        order = np.argsort(inv, kind="stable")
+        bounds = np.cumsum(np.bincount(inv))
+        groups = np.split(idx[order], bounds[:-1])
+        for f, g in zip(first, groups):
+            i = int(idx[f])
+            ranks = rank_lists[int(r.comm[i])]
+            root = -1
+            if rooted[i]:
+                hit = np.nonzero(ranks == root_g[i])[0]
+                if len(hit) == 0:
+                    raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): root {root_g[i]} is not in ranks")
+                root = int(hit[0])
+            key = (ops[i], algos[i], int(bpr[i]), int(esz[i]), root, int(r.comm[i]),
+                   int(sp[i]) if sp[i] >= 0 else None)
+            keys[key] = g
 
-    # ---- validate and key the rows
-    keys: dict[tuple, list[int]] = {}
-    rank_ids: dict[bytes, int] = {}
-    for i in range(nrow):
-        op = ops[i]
-        if op not in OPS:
-            raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): op {op!r} is not one of {', '.join(OPS)}")
-        r = rvals[roff[i]:roff[i + 1]]
-        if op == "send_recv":
-            if src_c[i] < 0 or dst_c[i] < 0:
-                raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): send_recv needs src and dst >= 0")
-            r = np.array([src_c[i], dst_c[i]], dtype=np.int64)
-        elif len(r) != gsize[i]:
-            raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): ranks has {len(r)} entries "
-                                 f"but group_size = {gsize[i]}")
-        if len(r) and (r.min() < 0 or r.max() >= world):
-            raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): rank {int(r.max())} outside "
-                                 f"the cluster's {world} ranks")
-        if bpr[i] < 0:
-            raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): bytes_per_rank {bpr[i]} < 0")
-        if len(r) < 2 or bpr[i] == 0 or (op == "send_recv" and r[0] == r[1]):
-            continue
-        root = -1
-        if op in ("broadcast", "reduce"):
-            g = src_c[i] if src_c[i] >= 0 else (dst_c[i] if dst_c[i] >= 0 else r[0])
-            if g not in r:
-                raise WiretraceError(f"collectives row {i} (op_id {op_id[i]}): root {g} is not in ranks")
-            root = int(np.nonzero(r == g)[0][0])
-        rb = r.tobytes()
-        rid = rank_ids.setdefault(rb, len(rank_ids))
-        sp = None
-        if op == "all_to_allv" and splits and int(op_id[i]) in splits:
-            sp = int(op_id[i])
-        key = (op, algos[i], int(bpr[i]), _esize(dtypes[i], int(bpr[i])), root, rid, sp)
-        keys.setdefault(key, []).append(i)
-
-    rank_lists = {v: np.frombuffer(k, dtype=np.int64) for k, v in rank_ids.items()}
     cache: dict[tuple, Template] = {}
     parts = []
     for key, rows in keys.items():
@@ -266,51 +250,48 @@ def _lower(coll: pa.Table, topo: Topology, plan: Plan, rings=None, splits=None) 
                 raise WiretraceError(f"all_to_allv op_id {sp}: split sizes have shape {splits_row.shape}, "
                                      f"expected ({len(ranks)}, {len(ranks)})")
         t = _transfers(op, algo, ranks, b, esize, root, topo, plan, rings, splits_row)
-        tkey = (op, algo, b, esize, t.src.tobytes(), t.dst.tobytes(), t.offset.tobytes(),
-                t.step.tobytes(), rel_node.tobytes())
+        tkey = (op in P2P_OPS, esize, rel_node.tobytes()) + tuple(
+            getattr(t, f).tobytes() for f in ("src", "dst", "step", "channel", "offset", "length", "reduce"))
         tpl = cache.get(tkey)
         if tpl is None:
             tpl = cache[tkey] = build_template(t, rel_node, esize, op in P2P_OPS, plan)
-        rows = np.asarray(rows, dtype=np.int64)
         parts.append((rows, ranks, tpl))
 
     return _assemble(parts, op_id, topo)
 
 
 def _assemble(parts, op_id: np.ndarray, topo: Topology) -> dict:
-    total = sum(len(rows) * len(t) for rows, _, t in parts)
-    cols = {k: np.empty(total, dt) for k, dt in (
-        ("row", np.int64), ("within", np.int64), ("op_id", np.int64), ("step", np.int32),
-        ("channel", np.int16), ("chunk", np.int32), ("src_rank", np.int32), ("dst_rank", np.int32),
-        ("buf_offset", np.int64), ("bytes", np.int64), ("wire_bytes", np.int64), ("is_cts", bool),
-        ("is_net", bool), ("qp_index", np.int16), ("reduce", bool))}
-    pos = 0
+    """Place every call's template rows at the call's position (calls in table order)."""
+    count = np.zeros(len(op_id), dtype=np.int64)
+    for rows, _, t in parts:
+        count[rows] = len(t)
+    start = np.cumsum(count) - count
+    total = int(count.sum())
+    out = {k: np.empty(total, dt) for k, dt in (
+        ("op_id", np.int64), ("step", np.int32), ("channel", np.int16), ("chunk", np.int32),
+        ("src_rank", np.int32), ("dst_rank", np.int32), ("buf_offset", np.int64), ("bytes", np.int64),
+        ("wire_bytes", np.int64), ("is_cts", bool), ("is_net", bool), ("qp_index", np.int16),
+        ("reduce", bool))}
     for rows, ranks, t in parts:
         K, M = len(rows), len(t)
         if M == 0:
             continue
-        sl = slice(pos, pos + K * M)
-        cols["row"][sl] = np.repeat(rows, M)
-        cols["within"][sl] = np.tile(np.arange(M), K)
-        cols["op_id"][sl] = np.repeat(op_id[rows], M)
+        dest = (start[rows][:, None] + np.arange(M)[None, :]).ravel()
+        out["op_id"][dest] = np.repeat(op_id[rows], M)
         for name, arr in (("step", t.step), ("channel", t.channel), ("chunk", t.chunk),
                           ("buf_offset", t.offset), ("bytes", t.nbytes), ("wire_bytes", t.wire),
                           ("is_cts", t.is_cts), ("is_net", t.is_net), ("qp_index", t.qp_index),
-                          ("reduce", t.reduce)):
-            cols[name][sl] = np.tile(arr, K)
-        cols["src_rank"][sl] = np.tile(ranks[t.src], K)
-        cols["dst_rank"][sl] = np.tile(ranks[t.dst], K)
-        pos += K * M
-    order = np.lexsort((cols["within"], cols["row"]))
-    out = {k: v[order] for k, v in cols.items() if k not in ("row", "within")}
+                          ("reduce", t.reduce), ("src_rank", ranks[t.src]), ("dst_rank", ranks[t.dst])):
+            out[name][dest] = np.tile(arr, K)
     src, dst = out["src_rank"].astype(np.int64), out["dst_rank"].astype(np.int64)
     is_net, is_cts = out.pop("is_net"), out.pop("is_cts")
     # NICs: data rows by the PXN/rail rule; a cts travels back along its data message's NIC pair
-    dsrc = np.where(is_cts, dst, src)
-    ddst = np.where(is_cts, src, dst)
+    src_nic, dst_nic = topo.rank_nic[src].astype(np.int32), topo.rank_nic[dst].astype(np.int32)
+    k = np.nonzero(is_net)[0]
+    c = is_cts[k]
+    dsrc, ddst = np.where(c, dst[k], src[k]), np.where(c, src[k], dst[k])
     snic, dnic = placement.network_nics(dsrc, ddst, topo)
-    snic, dnic = np.where(is_cts, dnic, snic), np.where(is_cts, snic, dnic)
-    own_s, own_d = topo.rank_nic[src], topo.rank_nic[dst]
+    src_nic[k], dst_nic[k] = np.where(c, dnic, snic), np.where(c, snic, dnic)
     n = len(src)
     res = {
         "msg_id": np.arange(n, dtype=np.int64),
@@ -322,8 +303,8 @@ def _assemble(parts, op_id: np.ndarray, topo: Topology) -> dict:
         "dst_rank": out["dst_rank"],
         "src_node": topo.rank_node[src].astype(np.int32),
         "dst_node": topo.rank_node[dst].astype(np.int32),
-        "src_nic": np.where(is_net, snic, own_s).astype(np.int32),
-        "dst_nic": np.where(is_net, dnic, own_d).astype(np.int32),
+        "src_nic": src_nic,
+        "dst_nic": dst_nic,
         "link": np.array(["nvlink", "network"], dtype=object)[is_net.astype(np.int8)],
         "kind": np.array(["data", "cts"], dtype=object)[is_cts.astype(np.int8)],
         "bytes": out["bytes"],

@@ -110,43 +110,41 @@ def _applicable(op: str, algo: str, equal_nodes: bool) -> str:
     return "ring"
 
 
-def algorithm_names(coll: pa.Table, topo: Topology, plan: Plan) -> np.ndarray:
-    """Resolved algorithm of every row (object array of str); see :func:`resolve_algorithms`."""
-    n = coll.num_rows
-    ops = coll.column("op").to_pylist()
-    given = coll.column("algorithm").to_pylist()
-    bpr = coll.column("bytes_per_rank").to_numpy()
-    rl = coll.column("ranks").combine_chunks()
-    roff = rl.offsets.to_numpy()
-    rvals = rl.values.to_numpy(zero_copy_only=False).astype(np.int64)
+def algorithm_names(coll: pa.Table, topo: Topology, plan: Plan, rows=None) -> np.ndarray:
+    """Resolved algorithm of every row (object array of str); see :func:`resolve_algorithms`.
+
+    ``rows`` : the table already read by :func:`wiretrace.collectives.rows.read` (optional).
+    """
+    from .lower import OPS
+    from .rows import read, unique_rows
+
+    r = rows if rows is not None else read(coll, topo, OPS)
+    n = len(r.op_id)
+    out = np.empty(n, dtype=object)
+    if n == 0:
+        return out
+    given = np.where(r.given_algorithm == "", "auto", r.given_algorithm).astype(object)
     c = plan.cluster
     nic_share = min(1.0, c.nics_per_node / c.gpus_per_node)
-    out = np.empty(n, dtype=object)
-    memo: dict = {}
-    for i in range(n):
-        op = ops[i]
-        a = given[i] or "auto"
+    first, inv = unique_rows(r.op, given, r.bytes_per_rank, r.comm)
+    res = []
+    for i in first:                      # one per distinct (op, algorithm, size, communicator)
+        op, a = r.op[i], given[i]
         if a == "auto":
             a = plan.collectives.algorithm_for(op)
         if a not in ALGORITHMS + ("auto",):
-            raise WiretraceError(f"collectives row {i}: algorithm {a!r} is not one of "
+            raise WiretraceError(f"collectives row {i} (op_id {r.op_id[i]}): algorithm {a!r} is not one of "
                                  f"{', '.join(ALGORITHMS + ('auto',))}")
-        r = rvals[roff[i]:roff[i + 1]]
-        if len(r) and (r.min() < 0 or r.max() >= topo.world_size):
-            raise WiretraceError(f"collectives row {i}: rank {int(r.max()) if r.max() >= topo.world_size else int(r.min())} "
-                                 f"outside the cluster's {topo.world_size} ranks")
-        key = (op, a, int(bpr[i]), r.tobytes())
-        if key in memo:
-            out[i] = memo[key]
-            continue
-        nodes, counts = np.unique(topo.rank_node[r], return_counts=True) if len(r) else (np.zeros(0), np.zeros(0))
+        ranks = r.comms[r.comm[i]]
+        nodes, counts = np.unique(topo.rank_node[ranks], return_counts=True)
         if a == "auto":
-            if op == "all_reduce" and len(r) > 1:
+            if op == "all_reduce" and len(ranks) > 1:
                 bus = (c.nic_rate_bps * nic_share if len(nodes) > 1 else c.nvlink_rate_bps) / 8e9
-                a = auto_all_reduce(int(bpr[i]), len(r), len(nodes), bus)
+                a = auto_all_reduce(int(r.bytes_per_rank[i]), len(ranks), len(nodes), bus)
             else:
                 a = "ring"
-        out[i] = memo[key] = _applicable(op, a, len(set(counts.tolist())) <= 1)
+        res.append(_applicable(op, a, len(set(counts.tolist())) <= 1))
+    out[:] = np.asarray(res, dtype=object)[inv]
     return out
 
 
