@@ -284,6 +284,9 @@ class _Staging:
             fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
             os.close(fd)
             tmp = Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, (0o777 if is_dir else 0o666) & ~umask)
         self.pairs.append((tmp, final))
         return tmp
 
