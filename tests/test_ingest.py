@@ -93,6 +93,7 @@ def test_rings_trees_and_per_edge_transports_of_a_two_node_log():
     assert [got.rings[c] is None for c in range(8)] == [False] * 5 + [True] * 3
     topo = got.report["topology"]
     assert topo == {"nodes": 2, "local_ranks": 8}
+    assert got.report["rank_host"] == {"3": "node-a", "5": "node-a", "6": "node-a", "7": "node-a"}
 
     def crossings(ring):
         node = [r // topo["local_ranks"] for r in ring]

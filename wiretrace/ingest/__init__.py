@@ -229,6 +229,10 @@ def _bytes_by_op(rows: Rows) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def _human_bytes(n: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -256,7 +260,8 @@ def format_report(report: dict, max_skipped: int = 10) -> str:
     bytes_by_op = report.get("bytes_global", {})
     for op, n in report.get("counts", {}).items():
         b = bytes_by_op.get(op)
-        out.append(f"  {op:<15} {n:>8,} calls" + (f"  {_human_bytes(b):>12} (bytes_global)" if b else ""))
+        out.append(f"  {op:<15} {n:>8,} {'call ' if n == 1 else 'calls'}"
+                   + (f"  {_human_bytes(b):>12} (bytes_global)" if b else ""))
     ranks = report.get("ranks") or []
     if ranks:
         out.append(f"ranks          {len(ranks):,} (world size {report.get('world_size')})")
@@ -267,9 +272,10 @@ def format_report(report: dict, max_skipped: int = 10) -> str:
     if comms:
         out.append(f"communicators  {len(comms)}")
         for c in comms[:12]:
-            extra = f", {c['processes']} processes logged" if "processes" in c else ""
+            extra = f", {_plural(c['processes'], 'process', 'processes')} logged" if "processes" in c else ""
             name = f" (process group {c['name']})" if c.get("name") else ""
-            out.append(f"  group {c['group']}{name}: {c['size']} ranks, {c['calls']} calls{extra}")
+            size = f"{c['size']} ranks" if c["size"] >= 0 else "ranks unknown"
+            out.append(f"  group {c['group']}{name}: {size}, {_plural(c['calls'], 'call', 'calls')}{extra}")
         if len(comms) > 12:
             out.append(f"  ... {len(comms) - 12} more")
     rings = report.get("rings") or {}

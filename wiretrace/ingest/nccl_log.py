@@ -272,6 +272,7 @@ def read(paths: list[Path]) -> Partial:
                 if cid:
                     info["commId"] = cid.group(1).lower()
                 init.setdefault(key, {}).update(info)
+                init[key]["host"] = host
                 last_nranks[(host, pid)] = info["nranks"]
                 ml = _LOCAL.search(msg)
                 if ml:
@@ -332,6 +333,11 @@ def read(paths: list[Path]) -> Partial:
                 out.skipped.append(Skip(fname, lno, "ring/channel line in no known layout"))
         out.files.append({"path": fname, "format": "nccl-log", "lines": lno})
 
+    if init:   # ranks of the largest communicator (the world, when it was logged) -> host
+        world = max(v["nranks"] for v in init.values())
+        for v in init.values():
+            if v["nranks"] == world:
+                rank_host.setdefault(v["rank"], v["host"])
     algorithm = parse_nccl_algo(algos[-1]) if algos else {}
     if algos and not algorithm:
         out.notes.append(f"NCCL_ALGO={algos[-1]} leaves NCCL a choice; rows say ring unless a TUNING line names it")
