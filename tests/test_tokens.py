@@ -38,7 +38,8 @@ def test_counts_of_the_corpus(corpus, gpt2_stats):
     assert st.bytes == corpus.stat().st_size == 552_810
     assert st.lines == text.count("\n") + (0 if text.endswith("\n") else 1)
     assert st.words == len(text.split())
-    assert st.example["text"] == "INFERNO"
+    assert st.example["text"] == "Nel mezzo del cammin di nostra vita"
+    assert "".join(st.example["tokens"]).replace("Ġ", " ").replace("Ċ", "\n") == "Nel mezzo del cammin di nostra vita\n"
 
 
 def test_bpe_is_lossless_and_counts_match_whole_text_encoding(corpus):

@@ -417,7 +417,8 @@ def render(report: dict, console=None) -> None:
             t.add_row(k, str(v))
         con.print(t)
         ex = tok["example"]
-        con.print(f"example: {ex['text']!r} -> {len(ex['ids'])} tokens {ex['tokens'][:24]}")
+        con.print(f"example: {ex['text']!r} -> {len(ex['ids'])} tokens {ex['tokens'][:24]} "
+                  "(byte-level BPE: Ġ marks a leading space, Ċ a newline)")
 
     def shape_table(title: str, rows: list[dict]) -> Table:
         t = Table(title=title)

@@ -93,7 +93,8 @@ class CorpusStats:
     sequences : ``(tokens - 1) // seq_length`` training samples per epoch.
     iterations_per_epoch : ``sequences / global_batch_size`` (fractional).
     tokens_per_iteration : ``global_batch_size * seq_length``.
-    example : the first non-empty line and its tokens (strings), to show.
+    example : the first line of five words or more (else the first non-empty one) and its tokens
+        (strings, byte-level: ``Ġ`` marks a leading space, ``Ċ`` a newline) and ids, to show.
     seconds : time spent training/loading and encoding.
     """
 
@@ -148,7 +149,8 @@ def corpus_stats(corpus: str | Path, seq_length: int, global_batch_size: int, vo
     encs = tok.encode_batch(lines)
     n_tokens = sum(len(e.ids) for e in encs)
     words = len(text.split())
-    first = next((i for i, ln in enumerate(lines) if ln.strip()), 0)
+    first = next((i for i, ln in enumerate(lines) if len(ln.split()) >= 5),
+                 next((i for i, ln in enumerate(lines) if ln.strip()), 0))
     example = {"text": lines[first].rstrip("\n") if lines else "",
                "tokens": list(encs[first].tokens) if encs else [],
                "ids": list(encs[first].ids) if encs else []}
