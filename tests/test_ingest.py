@@ -594,3 +594,25 @@ def test_measured_schedule_goes_through_generate_to_a_capture_tshark_decodes(tmp
     # the RETH of the first packet carries the message length
     data = sum(int(f[2]) for f in fields if f[1] in ("6", "11"))
     assert data == want
+
+
+def test_chakra_send_recv_nodes_of_two_ranks_pair_up(tmp_path):
+    meta = {"attr": [{"name": "schema", "stringVal": "1.0.1"}]}
+
+    def node(i, kind, start, **attrs):
+        def attr(k, v):
+            return {"name": k, "boolVal": v} if isinstance(v, bool) else {"name": k, "int64Val": str(v)}
+        return {"id": str(i), "name": f"n{i}", "type": kind, "startTimeMicros": str(start),
+                "attr": [attr(k, v) for k, v in attrs.items()]}
+
+    r0 = [meta, node(1, "COMM_COLL_NODE", 1000, is_cpu_op=False, comm_type=2, comm_size=4096),
+          node(2, "COMM_SEND_NODE", 1003, is_cpu_op=False, comm_src=0, comm_dst=1, comm_size=1024, comm_tag=7)]
+    r1 = [meta, node(5, "COMM_RECV_NODE", 1004, is_cpu_op=False, comm_src=0, comm_dst=1, comm_size=1024, comm_tag=7)]
+    a, b = tmp_path / "t.0.json", tmp_path / "t.1.json"
+    a.write_text("".join(json.dumps(o, indent=2) for o in r0))
+    b.write_text("".join(json.dumps(o, indent=2) for o in r1))
+    got = read_schedule([a, b], world_size=4)
+    r = rows(got)
+    assert [(x["op"], x["bytes_per_rank"], x["bytes_global"], x["group_size"], x["t_ready_ns"]) for x in r] == \
+        [("all_gather", 4096, 4 * 4096, 4, 0), ("send_recv", 1024, 1024, 2, 3000)]
+    assert (r[1]["src"], r[1]["dst"]) == (0, 1) and r[1]["source"] == f"{a}:node 2"
