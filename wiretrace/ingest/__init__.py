@@ -179,7 +179,9 @@ def _merge(parts: list[Partial], paths: list[Path]) -> ScheduleRead:
         ngroups = max([g + 1 for g in part.rows.cols["group"]] + [len(part.communicators)] + [0])
         offset += ngroups
         unknown += part.unknown_sizes
-        notes += [n for n in part.notes if n not in notes]
+        for note in part.notes:
+            if note not in notes:
+                notes.append(note)
         files += part.files
         skipped += [s.as_dict() for s in part.skipped]
         if part.rings and not rings:
