@@ -73,6 +73,8 @@ def replay(msgs: dict, ranks: list[int], nbytes: int, init: np.ndarray, esize: i
             a, o, ln = pos[int(msgs["src_rank"][k])], int(msgs["buf_offset"][k]) // esize, int(msgs["bytes"][k]) // esize
             loads.append(state[a, o:o + ln].copy())
         for k, load in zip(rows, loads):
+            if len(load) == 0:                         # an empty piece carries no data
+                continue
             b, o = pos[int(msgs["dst_rank"][k])], int(msgs["buf_offset"][k]) // esize
             cur = state[b, o:o + len(load)]
             if msgs["reduce"][k]:
@@ -506,3 +508,36 @@ def test_errors_name_the_row():
         collectives.lower(make_coll([dict(op="broadcast", ranks=[0, 1], b=8, src=5)]), TOPO, BIG)
     with pytest.raises(WiretraceError, match="algorithm"):
         collectives.lower(make_coll([dict(op="all_reduce", ranks=[0, 1], b=8, algo="bogus")]), TOPO, BIG)
+
+
+@pytest.mark.parametrize("proto", ["simple", "ll", "ll128"])
+def test_replay_with_qp_split_and_protocols(proto):
+    plan = make_plan(4, 1, channels=2, step_bytes=2048, protocol=proto, qps_per_connection=3,
+                     split_data_on_qps=True)
+    ranks = [0, 1, 2, 3]
+    E = 1001
+    m = _trace("all_reduce", ranks, 4 * E, plan=plan)
+    d = data_rows(m)
+    assert m["bytes"][d].sum() == 2 * 3 * 4 * E
+    assert set(m["qp_index"][d]) == {0, 1, 2}
+    # the pieces of one slice (one per QP) add up to the slice and its framed size
+    key = np.stack([m["src_rank"], m["step"], m["channel"], m["chunk"]], axis=1)[d]
+    _, inv = np.unique(key, axis=0, return_inverse=True)
+    inv = inv.ravel()
+    b = np.bincount(inv, weights=m["bytes"][d]).astype(np.int64)
+    w = np.bincount(inv, weights=m["wire_bytes"][d]).astype(np.int64)
+    assert np.array_equal(w, collectives.wire_bytes(b, proto))
+    assert np.all(np.bincount(inv) == 3)
+    state, dup = replay(m, ranks, 4 * E, init_all(4, E))
+    assert np.all(state == full_mask(4)) and dup == 0
+
+
+def test_auto_in_the_table_is_resolved_when_lowering():
+    plan = make_plan(16, 8, channels=2, algorithm="auto")
+    topo = topology.build(plan)
+    m = collectives.trace(make_coll([dict(op="all_reduce", ranks=list(range(128)), b=4 * 1000, algo="auto")]),
+                          topo, plan)
+    d = data_rows(m)
+    assert d.sum() == 2 * 2 * 127                     # tree: 2(n-1) messages per channel, one slice
+    state, dup = replay(m, list(range(128)), 4000, init_all(128, 1000))
+    assert np.all(state == full_mask(128)) and dup == 0
