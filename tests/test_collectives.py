@@ -7,6 +7,7 @@ Collectives tables are built by hand with ``wiretrace.tables.to_arrow``.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from wiretrace import collectives, tables
@@ -24,7 +25,7 @@ def make_plan(nodes: int, gpus: int, nics: int | None = None, **coll) -> P.Plan:
     return P.from_dict({"cluster": cluster, "collectives": coll}, require_model=False)
 
 
-def make_coll(rows: list[dict]) -> "pa.Table":  # noqa: F821
+def make_coll(rows: list[dict]) -> pa.Table:
     """Collectives table from short row dicts: op, ranks, b (bytes_per_rank), dtype, algo, src, dst."""
     cols = {k: [] for k in tables.column_names("collectives")}
     for i, r in enumerate(rows):
@@ -499,7 +500,7 @@ def test_nccl_model_crossover():
 def test_errors_name_the_row():
     bad = make_coll([dict(op="all_reduce", ranks=[0, 1], b=8)])
     bad = bad.set_column(bad.schema.get_field_index("group_size"), bad.schema.field("group_size"),
-                         __import__("pyarrow").array([3], type=__import__("pyarrow").int32()))
+                         pa.array([3], type=pa.int32()))
     with pytest.raises(WiretraceError, match="group_size"):
         collectives.lower(bad, TOPO, BIG)
     with pytest.raises(WiretraceError, match="outside"):
