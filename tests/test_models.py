@@ -8,7 +8,7 @@ import pytest
 
 from wiretrace.errors import PlanError
 from wiretrace.models import (PRESETS, count_parameters, padded_vocab_size, param_tensors, resolve,
-                              stage_layers)
+                              stage_layers, stage_parameter_counts)
 
 
 def total(name: str) -> int:
@@ -215,3 +215,24 @@ def test_moe_layer_frequency_and_shared_experts():
     assert c.per_layer[0] == attn + 4 * 64 + 5 * 3 * 64 * 128
     # active: router + shared + 2 of 4 routed experts
     assert c.total - c.active == 2 * (2 * 3 * 64 * 128)
+
+
+def test_parameters_per_gpu_tp_pp_ep():
+    """Llama 3 8B on tp 8, pp 2 (the llama3-8b-4x8 sample): a layer shard is
+    (2 x 4096^2 + 2 x 1024 x 4096 + 3 x 4096 x 14336) / 8 + 2 x 4096 = 27,271,168; stage 0 adds
+    the embedding shard 16128 x 4096, stage 1 the final norm and the output-layer shard."""
+    m = resolve({"preset": "llama3-8b"})
+    layer = (2 * 4096 ** 2 + 2 * 1024 * 4096 + 3 * 4096 * 14336) // 8 + 2 * 4096
+    assert layer == 27_271_168
+    assert stage_parameter_counts(m, tp=8, pp=2) == [16 * layer + 16128 * 4096, 16 * layer + 4096 + 16128 * 4096]
+    # Mixtral with ep 8: one expert per GPU per layer; with ep 1 all eight
+    mx = resolve({"preset": "mixtral-8x7b"})
+    expert = 3 * 4096 * 14336
+    dense_layer = 2 * 4096 ** 2 + 2 * 1024 * 4096 + 8 * 4096 + 2 * 4096
+    assert stage_parameter_counts(mx, ep=8)[0] == 32 * (dense_layer + expert) + 2 * 32000 * 4096 + 4096
+    assert stage_parameter_counts(mx)[0] == count_parameters(mx).total
+    # tied GPT-2 on pp 2: the last stage keeps a copy of the (padded) embedding as output layer
+    g = resolve({"preset": "gpt2-small"})
+    st = stage_parameter_counts(g, pp=2)
+    assert st[1] - st[0] == (2 * 768 + 50304 * 768) - (50304 * 768 + 1024 * 768)
+    assert sum(st) == count_parameters(g).total + 50304 * 768 + (50304 - 50257) * 768

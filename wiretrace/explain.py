@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import WiretraceError
-from .models import count_parameters
+from .models import count_parameters, stage_parameter_counts
 from .plan import DTYPE_BYTES, Plan
 from .topology import build as build_topology
 from .workload import Workload, build_collectives, iteration_estimate
@@ -298,10 +298,9 @@ def network_section(table: pa.Table, plan: Plan) -> dict:
 
 def parameters_section(w: Workload) -> dict:
     c = count_parameters(w.m)
-    per_stage = []
-    for s in range(w.pp):
-        n = sum(w.shard(t) for ch in range(w.v) for t in w.chunk_tensors(ch * w.pp + s))
-        per_stage.append(n)
+    p = w.plan.parallelism
+    per_stage = stage_parameter_counts(w.m, w.tp, w.pp, w.ep, w.v, p.decoder_first_pipeline_num_layers,
+                                       p.decoder_last_pipeline_num_layers)
     return {"total": c.total, "active": c.active, "embedding": c.embedding, "output": c.output,
             "per_layer": c.per_layer[0] if c.per_layer else 0,
             "per_gpu_by_stage": per_stage, "max_per_gpu": max(per_stage),

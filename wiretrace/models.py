@@ -449,3 +449,41 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int =
             out.append(list(range(acc, acc + n)))
             acc += n
     return out
+
+
+def stage_parameter_counts(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, virtual_stages: int = 1,
+                           first: int = 0, last: int = 0, vocab_divisible_by: int = 128) -> list[int]:
+    """Parameters held by one GPU of each pipeline stage (elements), Megatron-LM placement.
+
+    A GPU of stage ``s`` holds the TP shard (:meth:`ParamTensor.shard_numel`, vocabulary padded as
+    :func:`padded_vocab_size`) of its layers (all its virtual-stage chunks), of its ``1/ep`` share of
+    each MoE layer's routed experts, of the input embeddings on stage 0, and of the final norm and
+    output layer on the last stage; with tied embeddings and ``pp > 1`` the last stage keeps its own
+    copy of the embedding as output layer (Megatron-LM ``shared_embedding_or_output_weight``).
+
+    Raises
+    ------
+    PlanError : the layers cannot be split as asked (:func:`stage_layers`).
+    """
+    layers = stage_layers(m.num_hidden_layers, pp, virtual_stages, first, last)
+    vpad = padded_vocab_size(m.vocab_size, tp, vocab_divisible_by)
+    per_ep = max(m.num_local_experts // ep, 1)
+    owner = {}
+    for v, ls in enumerate(layers):
+        for layer in ls:
+            owner[layer] = v % pp
+    out = [0] * pp
+    tensors = param_tensors(m)
+    for t in tensors:
+        if t.expert >= per_ep:
+            continue
+        n = t.shard_numel(tp, vpad)
+        if t.layer >= 0:
+            out[owner[t.layer]] += n
+        elif t.where == "first":
+            out[0] += n
+        else:
+            out[pp - 1] += n
+    if m.tie_word_embeddings and pp > 1:
+        out[pp - 1] += tensors[0].shard_numel(tp, vpad)
+    return out
