@@ -47,6 +47,7 @@ def test_ray_prefixed_allreduce_lines_of_several_hosts_are_one_call_per_opcount(
     assert rep["counts"] == {"all_reduce": 2}
     assert len(rep["communicators"]) == 1 and rep["communicators"][0]["processes"] == 3
     assert rep["world_size"] == 128 and rep["skipped"] == [] and rep["mismatches"] == []
+    assert rep["in_place_calls"] == 2          # sendbuff equals recvbuff on every line
 
 
 def test_send_recv_lines_give_one_message_each_and_the_elision_line_is_reported():
@@ -81,6 +82,7 @@ def test_tp_log_interleaved_ranks_counts_and_both_size_conventions():
     assert [x["source"].rsplit(":", 1)[1] for x in r] == ["1", "2", "3", "6", "7"]
     assert len(got.report["communicators"]) == 1 and got.report["communicators"][0]["processes"] == 2
     assert got.report["mismatches"] == []
+    assert got.report["in_place_calls"] == 2   # the two one-element AllReduces
 
 
 def test_rings_trees_and_per_edge_transports_of_a_two_node_log():

@@ -398,7 +398,8 @@ def _parse_coll(c, fname, fidx, lno, host, pid, dev, skipped) -> dict | None:
     rec = {"file": fname, "fidx": fidx, "line": lno, "host": host, "pid": pid, "dev": dev,
            "name": name, "op": op, "opcount": int(c.group("opcount"), 16), "count": count,
            "dtype": NCCL_DTYPE[datatype], "redop": NCCL_REDOP.get(redop, f"custom{redop}"), "root": root,
-           "comm": kv["comm"].lower(), "nranks": nranks}
+           "comm": kv["comm"].lower(), "nranks": nranks,
+           "in_place": kv.get("sendbuff") == kv.get("recvbuff") and kv.get("sendbuff") not in (None, "(nil)")}
     if "globalrank" in kv:
         try:
             rec["globalrank"] = int(kv["globalrank"])
@@ -560,6 +561,7 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: dict[str, str],
             continue
         calls[(comm_of[handle(r)], r["opcount"])][handle(r)].append(r)
     items = []
+    in_place = 0
     for (ckey, opcount), per_handle in calls.items():
         g = group_id[ckey]
         depth = max(len(v) for v in per_handle.values())
@@ -585,6 +587,7 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: dict[str, str],
                 bytes_per_rank=bpr, dtype=rep["dtype"], algorithm=algo,
                 source=f"{first['file']}:{first['line']}")))
             comm_info[g]["calls"] += 1
+            in_place += all(x["in_place"] for x in lines)
 
     # --- send/recv -----------------------------------------------------------------------
     halves: dict[tuple, dict[str, list]] = defaultdict(lambda: {"send": [], "recv": []})
@@ -625,4 +628,5 @@ def _calls(recs: list[dict], init: dict, rings: dict, algorithm: dict[str, str],
                           "comm_pointers": sorted({h[3] for h in c["handles"]})[:4],
                           "calls": c["calls"]} for c in comm_info.values()]
     out.report["coll_lines"] = len(recs)
+    out.report["in_place_calls"] = in_place
     out.report["counts"] = counts_by_op([row["op"] for _, row in items])
