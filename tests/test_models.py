@@ -236,3 +236,19 @@ def test_parameters_per_gpu_tp_pp_ep():
     st = stage_parameter_counts(g, pp=2)
     assert st[1] - st[0] == (2 * 768 + 50304 * 768) - (50304 * 768 + 1024 * 768)
     assert sum(st) == count_parameters(g).total + 50304 * 768 + (50304 - 50257) * 768
+
+
+def test_plan_with_hf_config_beside_it(tmp_path):
+    """``{"hf_config": path}`` is read relative to the plan file; fields given beside it override."""
+    from wiretrace import plan as P
+
+    (tmp_path / "qwen").mkdir()
+    _write(tmp_path / "qwen", {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+                               "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+                               "vocab_size": 151936, "tie_word_embeddings": True})
+    doc = {"model": {"hf_config": "qwen/config.json", "num_hidden_layers": 12},
+           "parallelism": {"tp": 2, "pp": 2}, "cluster": {"nodes": 1, "gpus_per_node": 4}}
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    plan = P.load(tmp_path / "plan.json")
+    assert plan.model.num_hidden_layers == 12 and plan.model.num_key_value_heads == 2
+    assert plan.model.attention_bias and not plan.model.attention_out_bias
