@@ -113,13 +113,31 @@ def _ceil_to(n: int, k: int) -> int:
 
 
 class Workload:
-    """Everything the schedule needs about a plan: dimensions, groups, costs and the timeline."""
+    """Everything the schedule needs about a plan: dimensions, groups, costs and the timeline.
+
+    Built once per plan and shared by :func:`build_collectives`,
+    :func:`~wiretrace.workload.iteration_estimate` and ``wiretrace explain``.
+
+    Attributes
+    ----------
+    groups : :class:`~wiretrace.workload.groups.Groups`, every communicator.
+    layers : global layer indices of each virtual pipeline stage.
+    timeline : :class:`~wiretrace.workload.pipeline.Timeline` of every forward/backward pass (ns).
+    b, s, s_local : micro-batch size, sequence length, tokens per CP rank.
+    mbs : micro-batches per iteration per DP replica.
+    v, nvs : model chunks per pipeline rank and virtual stages in all.
+    sp : sequence parallelism in effect (tp > 1).
+
+    Raises
+    ------
+    PlanError : the plan has no model, or its layers cannot be split over the pipeline.
+    """
 
     def __init__(self, plan: Plan):
         if plan.model is None:
             raise PlanError("plan: the analytical workload needs a model section")
         self.plan = plan
-        m, t, p, c = plan.model, plan.training, plan.parallelism, plan.cluster
+        m, t, p = plan.model, plan.training, plan.parallelism
         self.m = m
         self.tp, self.pp, self.dp, self.cp, self.ep = p.tp, p.pp, p.dp, p.cp, p.ep
         self.v = p.virtual_stages if p.pp_schedule == "interleaved" else 1
@@ -137,7 +155,6 @@ class Workload:
                                    p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
         self.vocab_pad = padded_vocab_size(m.vocab_size, p.tp)
         self.flops_ns = gpu_flops_per_ns(plan)
-        self.node = lambda r: r // c.gpus_per_node
         self._link: dict[str, tuple[float, float]] = {}
         self.tensors = param_tensors(m)
         self._pass_cache: dict = {}
@@ -431,8 +448,7 @@ class Workload:
 
     # -- timeline --------------------------------------------------------------------------------
     def _simulate(self) -> Timeline:
-        p = self.plan.parallelism
-        sched = p.pp_schedule if p.pp_schedule != "interleaved" else "interleaved"
+        sched = self.plan.parallelism.pp_schedule
         order = [stage_order(sched, self.pp, s, self.mbs, self.v) for s in range(self.pp)]
         p2p = self.comm("pp", "send_recv", self.p2p_bytes, 2) if self.pp > 1 else 0.0
         self.p2p_ns = p2p
