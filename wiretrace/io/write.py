@@ -81,6 +81,9 @@ class _File:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
         self.fd, self.tmp = fd, Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)      # mkstemp creates 0600; captures are ordinary files
         self.size = 0
         self.packets = 0
         if header:

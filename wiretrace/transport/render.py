@@ -170,69 +170,155 @@ def _tail(crc: C.Crc, F: _Frames, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     return k, C.tail_register(crc, PAYLOAD_PATTERN, F.payload[rows], F.pad[rows])
 
 
+def _ext_rows(F: _Frames, packets, code: int, rows: np.ndarray) -> np.ndarray:
+    """Packed extension headers of opcode ``code`` for ``rows``: ``(len(rows), ext_len)``."""
+    from .packetize import ACK_SYNDROME
+
+    parts = []
+    for hname in H.OPCODES[code].ext:
+        hdr = H.HEADERS[hname]
+        vals = {}
+        if hname == "reth":
+            mid = _col(packets, "msg_id", np.int64)[rows]
+            vals = {"va": (RETH_VA_BASE + ((mid & 0xFFFF) << 24)).astype(np.uint64),
+                    "rkey": (RKEY_BASE + (F.dst[rows] & 0xFFFFF)).astype(np.uint32),
+                    "dmalen": (_col(packets, "dma_len", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
+        elif hname == "immdt":
+            vals = {"imm": (_col(packets, "msg_id", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
+        elif hname == "aeth":
+            vals = {"syndrome": ACK_SYNDROME,
+                    "msn": (_col(packets, "msn", np.int64)[rows] & 0xFFFFFF).astype(np.uint32)}
+        parts.append(hdr.pack(len(rows), vals))
+    return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def _pattern_word_sums() -> np.ndarray:
+    w = PAYLOAD_PATTERN.reshape(-1, 2).astype(np.uint64)
+    return np.r_[0, np.cumsum((w[:, 0] << np.uint64(8)) | w[:, 1])]
+
+
+_PATTERN_WORDS = _pattern_word_sums()
+
+
 def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
     t = plan.transport
     n, width = slots.shape
     vlan = t.vlan is not None
-    l2 = H.ETHERNET.length + (H.DOT1Q.length if vlan else 0)
     v4 = t.ip_version == 4
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if vlan else 0)
     l3 = H.IPV4.length if v4 else H.IPV6.length
-    ip_off = prefix + l2
-    udp_off = ip_off + l3
-    bth_off = udp_off + H.UDP.length
-    ext_off = bth_off + H.BTH.length
+    udp_at = l2 + l3
+    hb = udp_at + H.UDP.length + H.BTH.length        # through the BTH
+    emax = int(F.ext_len.max())
     limit = prefix + F.caplen                      # per-row end of captured bytes
 
-    def region(off, hdr):
-        """Columns of ``hdr`` at ``off`` that fit the slot; None when none do."""
-        end = min(off + hdr.length, width)
-        return (off, end) if end > off else None
-
+    # all headers of every frame, whatever the snap length (ICRC and checksums need them)
+    hdr = np.empty((n, hb + emax), dtype=np.uint8)
     ip_type = H.ETHERTYPE_IPV4 if v4 else H.ETHERTYPE_IPV6
-    # Ethernet (+ 802.1Q)
-    eth = H.ETHERNET.pack(n, {"dst": topo.nic_mac[F.dst], "src": topo.nic_mac[F.src],
-                              "type": H.ETHERTYPE_VLAN if vlan else ip_type})
-    _put(slots, prefix, eth)
+    H.ETHERNET.pack(n, {"dst": topo.nic_mac[F.dst], "src": topo.nic_mac[F.src],
+                        "type": H.ETHERTYPE_VLAN if vlan else ip_type}, out=hdr[:, :H.ETHERNET.length])
     if vlan:
-        _put(slots, prefix + H.ETHERNET.length,
-             H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}))
+        H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}, out=hdr[:, H.ETHERNET.length:l2])
     dscp = _col(packets, "dscp", np.uint8)
     ecn = _col(packets, "ecn", np.uint8)
     psn = _col(packets, "psn", np.int64)
     if v4:
         ip = H.IPV4.pack(n, {"dscp": dscp, "ecn": ecn, "total_length": (F.frame_len - l2).astype(np.uint16),
                              "id": (psn & 0xFFFF).astype(np.uint16),
-                             "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst]})
+                             "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst]}, out=hdr[:, l2:udp_at])
         ip[:, 10:12] = _be(H.ipv4_checksum(ip), 2)
     else:
-        ip = H.IPV6.pack(n, {"dscp": dscp, "ecn": ecn, "payload_length": (F.frame_len - l2 - l3).astype(np.uint16),
-                             "src": topo.nic_ipv6[F.src], "dst": topo.nic_ipv6[F.dst]})
-    _put(slots, ip_off, ip)
-    udp = H.UDP.pack(n, {"sport": (_col(packets, "udp_sport", np.int64) & 0xFFFF).astype(np.uint16),
-                         "length": (F.frame_len - l2 - l3).astype(np.uint16)})
-    _put(slots, udp_off, udp)
+        H.IPV6.pack(n, {"dscp": dscp, "ecn": ecn, "payload_length": (F.frame_len - udp_at).astype(np.uint16),
+                        "src": topo.nic_ipv6[F.src], "dst": topo.nic_ipv6[F.dst]}, out=hdr[:, l2:udp_at])
+    H.UDP.pack(n, {"sport": (_col(packets, "udp_sport", np.int64) & 0xFFFF).astype(np.uint16),
+                   "length": (F.frame_len - udp_at).astype(np.uint16)}, out=hdr[:, udp_at:udp_at + H.UDP.length])
     is_cnp = F.opcode == H.CNP_OPCODE
-    bth = H.BTH.pack(n, {"opcode": F.opcode, "migreq": (~is_cnp).astype(np.uint8),
-                         "padcnt": F.pad.astype(np.uint8), "becn": is_cnp.astype(np.uint8),
-                         "destqp": (_col(packets, "dest_qp", np.int64) & 0xFFFFFF).astype(np.uint32),
-                         "ackreq": _col(packets, "ack_req").astype(np.uint8),
-                         "psn": (psn & 0xFFFFFF).astype(np.uint32)})
-    _put(slots, bth_off, bth)
-    _fill_ext_and_payload(slots, ext_off, F, packets, width)
+    H.BTH.pack(n, {"opcode": F.opcode, "migreq": (~is_cnp).astype(np.uint8),
+                   "padcnt": F.pad.astype(np.uint8), "becn": is_cnp.astype(np.uint8),
+                   "destqp": (_col(packets, "dest_qp", np.int64) & 0xFFFFFF).astype(np.uint32),
+                   "ackreq": _col(packets, "ack_req").astype(np.uint8),
+                   "psn": (psn & 0xFFFFFF).astype(np.uint32)}, out=hdr[:, udp_at + H.UDP.length:hb])
+    groups = {code: np.nonzero(F.opcode == code)[0] for code in np.unique(F.opcode[F.ext_len > 0]).tolist()}
+    for code, rows in groups.items():
+        ext = _ext_rows(F, packets, code, rows)
+        hdr[rows, hb:hb + ext.shape[1]] = ext
 
-    # ICRC where it was captured
+    # slots: payload pattern after the BTH for all rows, then the headers over it
+    ext_off = prefix + hb
+    if width > ext_off:
+        slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
+    _put(slots, prefix, hdr[:, :hb])
+    span = width - ext_off
+    for code, rows in groups.items():
+        if span <= 0:
+            break
+        el = int(H.EXT_LEN[code])
+        block = np.empty((len(rows), span), dtype=np.uint8)
+        k = min(el, span)
+        block[:, :k] = hdr[rows, hb:hb + k]
+        if span > el:
+            block[:, el:] = PAYLOAD_PATTERN[:span - el]
+        slots[rows, ext_off:] = block
+    _zero_pad(slots, ext_off, F)
+
+    # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC)
     icrc_pos = prefix + F.frame_len - H.ICRC_LEN
-    rows = np.nonzero(icrc_pos < limit)[0]
-    if len(rows):
-        vals = np.zeros(len(rows), dtype=np.uint32)
-        for el in np.unique(F.ext_len[rows]).tolist():
-            g = rows[F.ext_len[rows] == el]
-            hdr = slots[g, ip_off:ext_off + el]
-            masked = C.mask_rocev2(hdr, t.ip_version)
-            state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
-            k, tail = _tail(C.CRC32, F, g)
-            vals[F.ext_len[rows] == el] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
-        _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
+    rows = np.arange(n) if not v4 else np.nonzero(icrc_pos < limit)[0]
+    if not len(rows):
+        return
+    vals = np.zeros(len(rows), dtype=np.uint32)
+    for el in np.unique(F.ext_len[rows]).tolist():
+        sel = F.ext_len[rows] == el
+        g = rows[sel]
+        masked = C.mask_rocev2(hdr[g, l2:hb + el], t.ip_version)
+        state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
+        k, tail = _tail(C.CRC32, F, g)
+        vals[sel] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
+    crc = C.icrc_bytes(vals)
+    _scatter_trailer(slots, rows, icrc_pos[rows], crc, limit[rows])
+    if not v4:
+        csum = _udp6_checksum(hdr, rows, F, l2, udp_at, hb, crc)
+        _scatter_trailer(slots, rows, np.full(len(rows), prefix + udp_at + 6), _be(csum, 2), limit[rows])
+
+
+def _udp6_checksum(hdr, rows, F: _Frames, l2: int, udp_at: int, hb: int, crc: np.ndarray) -> np.ndarray:
+    """RFC 8200 section 8.1 UDP checksum of IPv6 RoCEv2 frames (the ICRC masks this field, so it
+    does not change the ICRC); one's-complement sums, the payload's taken from a prefix sum of
+    the deterministic pattern."""
+    s = np.zeros(len(rows), dtype=np.uint64)
+    words = lambda a: a.astype(np.uint64)[:, 0::2] << np.uint64(8) | a.astype(np.uint64)[:, 1::2]  # noqa: E731
+    s += words(hdr[rows, l2 + 8:l2 + 40]).sum(axis=1)            # source and destination address
+    udp_len = (F.frame_len[rows] - udp_at).astype(np.uint64)
+    s += udp_len + np.uint64(H.IP_PROTO_UDP)
+    for el in np.unique(F.ext_len[rows]).tolist():
+        sel = F.ext_len[rows] == el
+        g = rows[sel]
+        block = hdr[g, udp_at:hb + el].copy()
+        block[:, 6:8] = 0
+        s[sel] += words(block).sum(axis=1)
+    pay = F.payload[rows]
+    s += _PATTERN_WORDS[pay // 2]
+    odd = (pay & 1).astype(bool)
+    s[odd] += PAYLOAD_PATTERN[pay[odd] - 1].astype(np.uint64) << np.uint64(8)
+    s += words(crc).sum(axis=1)
+    while (s >> np.uint64(16)).any():
+        s = (s & np.uint64(0xFFFF)) + (s >> np.uint64(16))
+    c = (~s & np.uint64(0xFFFF)).astype(np.uint16)
+    c[c == 0] = 0xFFFF
+    return c
+
+
+def _zero_pad(slots, off: int, F: _Frames) -> None:
+    """Pad bytes (after the payload, before the ICRC) are zero."""
+    n, width = slots.shape
+    padded = np.nonzero(F.pad > 0)[0]
+    if not len(padded):
+        return
+    start = off + F.ext_len[padded] + F.payload[padded]
+    flat = slots.reshape(-1)
+    for j in range(3):
+        sel = (j < F.pad[padded]) & (start + j < width)
+        flat[padded[sel] * width + start[sel] + j] = 0
 
 
 def _put(slots, off: int, block: np.ndarray) -> None:
