@@ -542,3 +542,16 @@ def test_auto_in_the_table_is_resolved_when_lowering():
     assert d.sum() == 2 * 2 * 127                     # tree: 2(n-1) messages per channel, one slice
     state, dup = replay(m, list(range(128)), 4000, init_all(128, 1000))
     assert np.all(state == full_mask(128)) and dup == 0
+
+
+def test_all_to_all_blocks_sit_at_their_send_displacements():
+    n, blk = 6, 4 * 33
+    m = collectives.lower(make_coll([dict(op="all_to_all", ranks=list(range(n)), b=n * blk)]), TOPO, BIG)
+    d = data_rows(m)
+    for i in range(n):
+        for j in range(n):
+            sel = d & (m["src_rank"] == i) & (m["dst_rank"] == j)
+            if i == j:
+                assert not sel.any()
+            else:
+                assert m["buf_offset"][sel].min() == j * blk and m["bytes"][sel].sum() == blk

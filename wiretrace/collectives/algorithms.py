@@ -254,7 +254,8 @@ def direct(sizes: np.ndarray, channels: int, esize: int) -> Transfers:
     """Pairwise exchange (all_to_all, all_to_allv, send_recv): index ``i`` sends ``sizes[i, j]``
     bytes to ``j``, in NCCL's peer order ``j = i+1, i+2, ...`` (``src/enqueue.cc`` p2p schedule).
     The exchanges do not depend on each other (step 0). ``offset`` is the position of the block
-    in the sender's send buffer (row prefix sums), each block split across channels.
+    in the sender's send buffer (row prefix sums, the block a rank keeps for itself included, as
+    all-to-allv's send displacements), each block split across channels.
     """
     n = sizes.shape[0]
     rowoff = np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)

@@ -164,11 +164,11 @@ def _transfers(op: str, algo: str, ranks: np.ndarray, bpr: int, esize: int, root
             sizes = np.array([[0, bpr], [0, 0]], dtype=np.int64)
         elif splits_row is not None:
             sizes = np.asarray(splits_row, dtype=np.int64)
-            np.fill_diagonal(sizes, 0)
+            if (sizes % esize).any():            # per-peer sizes in bytes that are not whole elements
+                esize = 1
         else:
             _, blk = alg.split_even(bpr // esize, n)
             sizes = np.tile(blk * esize, (n, 1))
-            np.fill_diagonal(sizes, 0)
         return alg.direct(sizes, C, esize)
     elems = bpr // esize
     if op == "all_reduce" and algo == "tree":
@@ -246,9 +246,9 @@ def _lower(coll: pa.Table, topo: Topology, plan: Plan, rings=None, splits=None) 
         splits_row = None
         if sp is not None:
             splits_row = np.asarray(splits[sp], dtype=np.int64)
-            if splits_row.shape != (len(ranks), len(ranks)):
-                raise WiretraceError(f"all_to_allv op_id {sp}: split sizes have shape {splits_row.shape}, "
-                                     f"expected ({len(ranks)}, {len(ranks)})")
+            if splits_row.shape != (len(ranks), len(ranks)) or (splits_row < 0).any():
+                raise WiretraceError(f"all_to_allv op_id {sp}: split sizes must be a ({len(ranks)}, {len(ranks)}) "
+                                     f"array of bytes >= 0, got shape {splits_row.shape}")
         t = _transfers(op, algo, ranks, b, esize, root, topo, plan, rings, splits_row)
         tkey = (op in P2P_OPS, esize, rel_node.tobytes()) + tuple(
             getattr(t, f).tobytes() for f in ("src", "dst", "step", "channel", "offset", "length", "reduce"))
