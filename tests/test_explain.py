@@ -68,6 +68,11 @@ def test_network_split_follows_busbw_factors(report):
     assert net["tp"]["network_bytes"] == 0 and net["tp"]["nvlink_bytes"] == 6 * tot["tp"]["bytes"]
     assert net["dp"]["nvlink_bytes"] == 0 and net["dp"]["network_bytes"] == 2 * tot["dp"]["bytes"]
     assert report["network"]["total"]["network_bytes_per_gpu"] == round(2 * tot["dp"]["bytes"] / 8)
+    ar = [r for r in report["parallelism"]["rows"] if r["tensor"] == "attn.out_proj.activation"][0]
+    assert ar["busbw_factor"] == 1.5 and ar["sent_per_rank_min"] == ar["sent_per_rank_max"] == 1.5 * ACT
+    assert ar["nvlink_bytes"] == 6 * ACT * ar["calls"] and ar["network_bytes"] == 0
+    ce = [r for r in report["parallelism"]["rows"] if r["tensor"] == "loss.sum_exp_logits"][0]
+    assert ce["sent_per_rank_max"] == 1.5 * 4 * 1024 * 4
 
 
 def _table(rows: list[dict]):

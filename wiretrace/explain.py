@@ -153,10 +153,24 @@ def _pattern(name: str) -> str:
     return re.sub(r"\d+", "*", name)
 
 
-def parallelism_section(table: pa.Table, world: int) -> dict:
-    """Calls, communicators and logical payload per (parallelism, op, tensor pattern, phase)."""
+def _sent_per_rank(op: str, n: int, size: float) -> float:
+    """Bytes one rank sends for a call of nccl-tests size ``size`` (all_to_all: all ranks' inputs)."""
+    if op in ("all_to_all", "all_to_allv"):
+        return size / n * busbw_factor(op, n)
+    return size * busbw_factor(op, n)
+
+
+def parallelism_section(table: pa.Table, world: int, nvlink: np.ndarray | None = None,
+                        network: np.ndarray | None = None) -> dict:
+    """Calls, communicators and logical payload per (parallelism, op, tensor pattern, phase).
+
+    With the per-row ``nvlink``/``network`` bytes of :func:`link_bytes`, each row also carries
+    their sums, the nccl-tests busbw factor and the bytes one rank sends per call.
+    """
     if table.num_rows == 0:
         return {"rows": [], "totals": {}}
+    if nvlink is None:
+        nvlink = network = np.zeros(table.num_rows)
     tensor = table.column("tensor").combine_chunks()
     dict_vals = [_pattern(v) for v in tensor.dictionary.to_pylist()]
     pat = pa.DictionaryArray.from_arrays(tensor.indices, pa.array(dict_vals)).cast(pa.string())
@@ -168,10 +182,11 @@ def parallelism_section(table: pa.Table, world: int) -> dict:
                   "op": table.column("op").cast(pa.string()), "phase": table.column("phase").cast(pa.string()),
                   "tensor": pat, "dtype": table.column("dtype").cast(pa.string()),
                   "bytes": table.column("bytes_global"), "size": table.column("group_size"),
-                  "comm": pa.array(comm), "op_id": table.column("op_id")})
+                  "comm": pa.array(comm), "op_id": table.column("op_id"),
+                  "nv": pa.array(nvlink), "net": pa.array(network)})
     agg = t.group_by(["parallelism", "op", "phase", "tensor", "dtype"], use_threads=False).aggregate(
         [("op_id", "count"), ("bytes", "sum"), ("bytes", "min"), ("bytes", "max"), ("comm", "count_distinct"),
-         ("size", "max"), ("op_id", "min")])
+         ("size", "max"), ("op_id", "min"), ("nv", "sum"), ("net", "sum")])
     first = {int(r): i for i, r in enumerate(table.column("op_id").to_numpy())}
     ranks_col = table.column("ranks")
     out = []
@@ -182,6 +197,10 @@ def parallelism_section(table: pa.Table, world: int) -> dict:
                     "calls_per_communicator": r["op_id_count"] // max(r["comm_count_distinct"], 1),
                     "group_size": r["size_max"], "bytes_min": r["bytes_min"], "bytes_max": r["bytes_max"],
                     "bytes_total": r["bytes_sum"], "example_ranks": ranks_col[i].as_py()[:16],
+                    "busbw_factor": busbw_factor(r["op"], r["size_max"]),
+                    "sent_per_rank_min": int(round(_sent_per_rank(r["op"], r["size_max"], r["bytes_min"]))),
+                    "sent_per_rank_max": int(round(_sent_per_rank(r["op"], r["size_max"], r["bytes_max"]))),
+                    "nvlink_bytes": int(round(r["nv_sum"])), "network_bytes": int(round(r["net_sum"])),
                     "first_op_id": r["op_id_min"]})
     out.sort(key=lambda r: (PARALLELISMS.index(r["parallelism"]) if r["parallelism"] in PARALLELISMS else 99,
                             r["first_op_id"]))
@@ -263,11 +282,14 @@ def link_bytes(table: pa.Table, gpus_per_node: int, rank_node: np.ndarray | None
     return nv, net
 
 
-def network_section(table: pa.Table, plan: Plan) -> dict:
+def network_section(table: pa.Table, plan: Plan, nv: np.ndarray | None = None,
+                    net: np.ndarray | None = None) -> dict:
     """Section 5: NVLink and network bytes per parallelism per iteration (all ranks together and
-    per GPU), after the ring / direct algorithms."""
-    topo = build_topology(plan)
-    nv, net = link_bytes(table, plan.cluster.gpus_per_node, topo.rank_node.astype(np.int64))
+    per GPU), after the ring / direct algorithms (per-row bytes from :func:`link_bytes`, computed
+    here when not given)."""
+    if nv is None or net is None:
+        topo = build_topology(plan)
+        nv, net = link_bytes(table, plan.cluster.gpus_per_node, topo.rank_node.astype(np.int64))
     par = table.column("parallelism").combine_chunks()
     names = par.dictionary.to_pylist() if table.num_rows else []
     idx = par.indices.to_numpy() if table.num_rows else np.zeros(0, np.int64)
@@ -333,7 +355,9 @@ def explain(plan: Plan, corpus: str | Path | None = None, tokenizer: str | Path 
         table = build_collectives(plan, w)
     est = iteration_estimate(plan, w)
     p = plan.parallelism
-    net = network_section(table, plan)
+    topo = build_topology(plan)
+    nv_rows, net_rows = link_bytes(table, plan.cluster.gpus_per_node, topo.rank_node.astype(np.int64))
+    net = network_section(table, plan, nv_rows, net_rows)
     est = dict(est)
     est["tokens_per_second"] = est["tokens"] / (est["total_ns"] * 1e-9) if est["total_ns"] else 0.0
     if tok is not None and est["total_ns"]:
@@ -351,7 +375,7 @@ def explain(plan: Plan, corpus: str | Path | None = None, tokenizer: str | Path 
         "tokens": tok,
         "embedding": embedding_section(w),
         "block": block_section(w),
-        "parallelism": parallelism_section(table, plan.cluster.world_size),
+        "parallelism": parallelism_section(table, plan.cluster.world_size, nv_rows, net_rows),
         "network": net,
         "time": est,
     }
@@ -454,6 +478,16 @@ def render(report: dict, console=None) -> None:
 
     con.rule("5. collectives -> network (per iteration)")
     net = report["network"]
+    t = Table(title="per call: bytes each rank sends (busbw factor x size); per iteration: bytes on each kind of link")
+    for c in ("par", "op", "phase", "tensor", "ranks", "busbw", "sent/rank/call", "NVLink/iter", "network/iter"):
+        t.add_column(c, justify="left" if c in ("par", "op", "phase", "tensor") else "right")
+    for r in report["parallelism"]["rows"]:
+        phase = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}.get(r["phase"], r["phase"])
+        sent = (human_bytes(r["sent_per_rank_min"]) if r["sent_per_rank_min"] == r["sent_per_rank_max"]
+                else f"{human_bytes(r['sent_per_rank_min'])}..{human_bytes(r['sent_per_rank_max'])}")
+        t.add_row(r["parallelism"], r["op"], phase, r["tensor"], str(r["group_size"]), f"{r['busbw_factor']:.3f}", sent,
+                  human_bytes(r["nvlink_bytes"]), human_bytes(r["network_bytes"]))
+    con.print(t)
     t = Table()
     for c in ("parallelism", "logical payload", "NVLink bytes", "network bytes", "network bytes per GPU"):
         t.add_column(c, justify="left" if c == "parallelism" else "right")
