@@ -1,0 +1,218 @@
+"""Capture writers: pcap (ns), pcapng (interface per NIC), ERF type 21, split per NIC, rotation,
+atomic output, determinism. Files are read back with dpkt, with plain ``struct`` parsing of the
+published layouts, and with tshark."""
+
+from __future__ import annotations
+
+import struct
+
+import dpkt
+import numpy as np
+import pytest
+
+from wiretrace.errors import WiretraceError
+from wiretrace.io import write_capture
+from wiretrace.io import pcap as pcap_mod
+from wiretrace.transport import render
+
+from test_transport import all_packets, make_messages, make_plan, serial_messages, tshark_fields
+
+
+@pytest.fixture(scope="module")
+def roce():
+    plan, topo = make_plan(nodes=2, nics=2)
+    m = make_messages([5000, 100, 3000, 8000, 64, 2_000_000_123 % 10_000],
+                      [0, 1, 2, 3, 0, 1], [2, 3, 0, 1, 3, 2],
+                      [1_000_000_000 - 5, 20, 1_500_000_000, 40, 50, 60])
+    p = all_packets(m, topo, plan)
+    return plan, topo, p
+
+
+def _chunks(p, size=5):
+    n = len(p["ts_ns"])
+    return [{k: v[i:i + size] for k, v in p.items()} for i in range(0, n, size)]
+
+
+def test_pcap_header_records_and_nanosecond_times(tmp_path, roce):
+    plan, topo, p = roce
+    path = tmp_path / "a.pcap"
+    stats = write_capture(path, _chunks(p), topo, plan, snaplen=80)
+    data = path.read_bytes()
+    magic, major, minor, zone, sigfigs, snap, link = struct.unpack("<IHHiIII", data[:24])
+    assert (magic, major, minor, zone, snap, link) == (0xA1B23C4D, 2, 4, 0, 80, 1)
+    assert data[:4] == bytes.fromhex("4d3cb2a1")
+    assert stats["packets"] == len(p["ts_ns"]) and stats["bytes"] == len(data)
+    # walk the records by the published layout
+    off, i = 24, 0
+    buf, foff, cap, orig = render(p, topo, plan, snaplen=80)
+    while off < len(data):
+        sec, nsec, incl, olen = struct.unpack("<IIII", data[off:off + 16])
+        assert sec * 1_000_000_000 + nsec == p["ts_ns"][i]
+        assert incl == min(80, p["frame_len"][i]) and olen == p["frame_len"][i]
+        assert data[off + 16:off + 16 + incl] == bytes(buf[foff[i]:foff[i + 1]])
+        off += 16 + incl
+        i += 1
+    assert i == len(p["ts_ns"])
+    # dpkt reads it as a nanosecond pcap
+    with open(path, "rb") as fh:
+        r = dpkt.pcap.Reader(fh)
+        assert r.datalink() == 1
+        ts = [t for t, _ in r]
+    assert float(ts[0]) == pytest.approx(p["ts_ns"][0] / 1e9)
+
+
+def test_whole_frames_with_snaplen_zero(tmp_path, roce):
+    plan, topo, p = roce
+    path = tmp_path / "w.pcap"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    with open(path, "rb") as fh:
+        frames = [bytes(b) for _, b in dpkt.pcap.Reader(fh)]
+    assert [len(f) for f in frames] == p["frame_len"].tolist()
+    eth = dpkt.ethernet.Ethernet(frames[0])
+    assert isinstance(eth.data, dpkt.ip.IP) and eth.data.udp.dport == 4791
+    assert eth.data.ttl == 64 and eth.data.df == 1
+
+
+def test_pcapng_one_interface_per_nic(tmp_path, roce):
+    plan, topo, p = roce
+    path = tmp_path / "a.pcapng"
+    write_capture(path, _chunks(p, 4), topo, plan, snaplen=96)
+    data = path.read_bytes()
+    off, idbs, epbs = 0, [], []
+    while off < len(data):
+        btype, total = struct.unpack("<II", data[off:off + 8])
+        assert struct.unpack("<I", data[off + total - 4:off + total])[0] == total and total % 4 == 0
+        body = data[off + 8:off + total - 4]
+        if btype == 0x0A0D0D0A:
+            assert struct.unpack("<I", body[:4])[0] == 0x1A2B3C4D
+        elif btype == 1:
+            link, _, snap = struct.unpack("<HHI", body[:8])
+            opts, o = {}, 8
+            while o < len(body):
+                code, ln = struct.unpack("<HH", body[o:o + 4])
+                if code == 0:
+                    break
+                opts[code] = body[o + 4:o + 4 + ln]
+                o += 4 + ln + ((-ln) & 3)
+            idbs.append((link, snap, opts[2].decode(), opts[9]))
+        elif btype == 6:
+            iface, hi, lo, caplen, origlen = struct.unpack("<IIIII", body[:20])
+            epbs.append((iface, (hi << 32) | lo, caplen, origlen))
+        off += total
+    assert [i[2] for i in idbs] == [topo.nic_name(k) for k in range(topo.num_nics)]
+    assert {(i[0], i[1], i[3]) for i in idbs} == {(1, 96, b"\x09")}
+    assert [e[0] for e in epbs] == p["src_nic"].tolist()
+    assert [e[1] for e in epbs] == p["ts_ns"].tolist()
+    assert [e[2] for e in epbs] == np.minimum(p["frame_len"], 96).tolist()
+    assert [e[3] for e in epbs] == p["frame_len"].tolist()
+    rows = tshark_fields(path, ["frame.interface_name", "infiniband.bth.psn"])
+    assert [r[0] for r in rows] == [topo.nic_name(int(k)) for k in p["src_nic"]]
+    assert [int(r[1]) for r in rows] == p["psn"].tolist()
+
+
+def test_erf_type21_records_for_native_ib(tmp_path):
+    plan, topo = make_plan({"kind": "ib"})
+    p = all_packets(serial_messages([3000, 10]), topo, plan)
+    path = tmp_path / "ib.erf"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    data = path.read_bytes()
+    off, i = 0, 0
+    while off < len(data):
+        ts, rtype, flags, rlen, lctr, wlen = struct.unpack("<QBBHHH", data[off:off + 16])
+        rlen, wlen = struct.unpack(">H", data[off + 10:off + 12])[0], struct.unpack(">H", data[off + 14:off + 16])[0]
+        assert rtype == 21 and flags & 0x04
+        assert rlen == 16 + p["frame_len"][i] and wlen == p["frame_len"][i]
+        sec, frac = ts >> 32, ts & 0xFFFFFFFF
+        assert abs(sec * 1e9 + frac / 2**32 * 1e9 - p["ts_ns"][i]) < 1
+        lrh = data[off + 16:off + 24]
+        assert lrh[1] & 3 == 2 and struct.unpack(">H", lrh[2:4])[0] == topo.nic_lid[p["dst_nic"][i]]
+        off += rlen
+        i += 1
+    assert i == len(p["ts_ns"])
+    # the same records inside a pcap use link type 197 (LINKTYPE_ERF)
+    path2 = tmp_path / "ib.pcap"
+    write_capture(path2, [p], topo, plan, snaplen=0)
+    assert struct.unpack("<I", path2.read_bytes()[20:24])[0] == 197
+    rows = tshark_fields(path, ["erf.types.type", "infiniband.bth.opcode"])
+    assert [int(r[1]) for r in rows] == p["opcode"].tolist()
+
+
+def test_erf_for_rocev2_uses_ethernet_records(tmp_path, roce):
+    plan, topo, p = roce
+    path = tmp_path / "r.erf"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    rows = tshark_fields(path, ["infiniband.bth.psn", "frame.len"])
+    assert [int(r[0]) for r in rows] == p["psn"].tolist()
+
+
+def test_split_per_nic(tmp_path, roce):
+    plan, topo, p = roce
+    d = tmp_path / "split"
+    stats = write_capture(d, _chunks(p, 3), topo, plan, snaplen=0, split="nic")
+    assert stats["packets"] == len(p["ts_ns"])
+    seen = 0
+    for nic in range(topo.num_nics):
+        f = d / (topo.nic_name(nic).replace("/", "-") + ".pcap")
+        want = p["src_nic"] == nic
+        if not want.any():
+            assert not f.exists()
+            continue
+        with open(f, "rb") as fh:
+            recs = list(dpkt.pcap.Reader(fh))
+        assert len(recs) == int(want.sum())
+        assert [round(float(t) * 1e9) for t, _ in recs] == p["ts_ns"][want].tolist()
+        assert all(dpkt.ethernet.Ethernet(b).src == bytes(topo.nic_mac[nic]) for _, b in recs)
+        seen += len(recs)
+    assert seen == len(p["ts_ns"])
+
+
+def test_rotation_at_max_file_size(tmp_path, roce):
+    plan, topo, p = roce
+    path = tmp_path / "r.pcap"
+    limit = 3000
+    stats = write_capture(path, _chunks(p, 4), topo, plan, snaplen=0, max_file_size=limit)
+    files = [tmp_path / "r.pcap"] + [tmp_path / f"r.pcap{i}" for i in range(1, len(stats["files"]))]
+    assert [str(f) for f in files] == stats["files"] and len(files) > 3
+    total = []
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            recs = list(dpkt.pcap.Reader(fh))
+        assert size <= limit or len(recs) == 1          # a lone record may exceed the limit
+        total += [len(b) for _, b in recs]
+    assert total == p["frame_len"].tolist()
+
+
+def test_nothing_left_behind_on_error(tmp_path, roce):
+    plan, topo, p = roce
+
+    def failing():
+        yield _chunks(p)[0]
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_capture(tmp_path / "x.pcap", failing(), topo, plan)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(WiretraceError, match="format"):
+        write_capture(tmp_path / "x.pcap", [p], topo, plan, fmt="cap")
+    with pytest.raises(WiretraceError, match="snaplen"):
+        write_capture(tmp_path / "x.pcap", [p], topo, plan, snaplen=-1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_same_input_same_bytes(tmp_path, roce):
+    plan, topo, p = roce
+    for suffix in (".pcap", ".pcapng", ".erf"):
+        a, b = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+        write_capture(a, _chunks(p, 2), topo, plan, snaplen=0)
+        write_capture(b, [p], topo, plan, snaplen=0)
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_pcap_write_function_and_progress(tmp_path, roce):
+    plan, topo, p = roce
+    seen = []
+    stats = pcap_mod.write(tmp_path / "p.pcap", _chunks(p, 5), topo, plan, snaplen=128, progress=seen.append)
+    assert seen[-1] == stats["packets"] == len(p["ts_ns"])
+    assert seen == sorted(seen)
+    assert oct((tmp_path / "p.pcap").stat().st_mode & 0o777) != "0o600"
