@@ -167,6 +167,8 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
                                   force=force, progress=bar)
     finally:
         bar.close()
+    for note in s.notes:
+        click.echo(f"note: {note}", err=True)
     if quiet:
         return
     click.echo(f"plan           {plan.name}")

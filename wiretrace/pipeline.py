@@ -60,6 +60,8 @@ class Summary:
     last_message_ns: int = 0
     outputs: list[str] = field(default_factory=list)
     estimate: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    tcp_messages: int = 0
 
 
 # ---------------------------------------------------------------------------- selection
@@ -129,32 +131,71 @@ def parse_window(text: str | None) -> tuple[int, int] | None:
 # ---------------------------------------------------------------------------- schedule
 
 
-def load_schedule(path: Path) -> pa.Table:
+@dataclass
+class Measured:
+    """A measured schedule ready for lowering.
+
+    ``rings``: complete ring orders read from an NCCL log (channel -> ranks), followed by the
+    lowering; ``tcp_pairs``: (src, dst) rank pairs that NCCL connected over ``NET/Socket`` (TCP,
+    not RDMA): their messages stay in the messages table but are not rendered as RoCEv2;
+    ``notes``: what was dropped and why.
+    """
+
+    table: pa.Table
+    rings: dict = field(default_factory=dict)
+    tcp_pairs: frozenset = frozenset()
+    notes: list = field(default_factory=list)
+
+
+def load_schedule(path: Path, world_size: int | None = None) -> Measured:
     """A measured schedule: a directory or file written by ``wiretrace schedule``, or any log/trace
-    that :mod:`wiretrace.ingest` reads."""
+    that :mod:`wiretrace.ingest` reads (with the cluster's ``world_size`` for traces that do not
+    name their ranks).
+
+    Calls whose size or communicator the file does not give (``bytes_per_rank`` or
+    ``group_size`` -1) cannot be lowered: they are dropped and named in ``notes``.
+    """
     from .io.parquet import read_table
 
     path = Path(path)
+    got = None
     if path.is_dir():
         f = path / "collectives.parquet"
         if not f.is_file():
             raise WiretraceError(f"--schedule: {path} holds no collectives.parquet")
-        return read_table(f, "collectives")
-    if path.suffix == ".parquet":
-        return read_table(path, "collectives")
-    from . import ingest
+        table = read_table(f, "collectives")
+    elif path.suffix == ".parquet":
+        table = read_table(path, "collectives")
+    else:
+        from . import ingest
 
-    got = ingest.read_schedule([path])
-    return got.table
+        got = ingest.read_schedule([path], world_size=world_size)
+        table = got.table
+    m = Measured(table=table)
+    if got is not None:
+        m.rings = got.complete_rings()
+        m.tcp_pairs = frozenset(k for k, v in got.transports.items() if "Socket" in v)
+    sizes = table.column("bytes_per_rank").to_numpy()
+    gsize = table.column("group_size").to_numpy()
+    bad = (sizes < 0) | (gsize < 1)
+    if bad.any():
+        src = table.column("source").to_pylist()
+        first = [src[i] for i in np.flatnonzero(bad)[:3]]
+        m.notes.append(f"{int(bad.sum())} call(s) of unknown size or communicator skipped "
+                       f"(e.g. {', '.join(map(str, first))})")
+        m.table = table.filter(pa.array(~bad))
+    if m.table.num_rows == 0:
+        raise WiretraceError(f"--schedule: {path} has no call wiretrace can lower")
+    return m
 
 
-def build_collectives(plan: Plan, schedule: Path | None = None) -> pa.Table:
+def build_collectives(plan: Plan, schedule: Path | None = None) -> Measured:
     """The collectives table from the plan's workload, or from a measured schedule."""
     if schedule is not None:
-        return load_schedule(schedule)
+        return load_schedule(schedule, world_size=plan.cluster.world_size)
     from . import workload
 
-    return workload.build_collectives(plan)
+    return Measured(table=workload.build_collectives(plan))
 
 
 def select_collectives(coll: pa.Table, sel: Selection) -> pa.Table:
@@ -351,8 +392,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         pq_tmp = staging.claim(Path(parquet_dir), is_dir=True) if write_parquet else None
 
         tick("schedule", 0)
-        coll = build_collectives(plan, schedule)
-        coll = select_collectives(coll, selection)
+        measured = build_collectives(plan, schedule)
+        summary.notes.extend(measured.notes)
+        coll = select_collectives(measured.table, selection)
         coll = coll_stage.resolve_algorithms(coll, topo, plan)
         summary.collectives = coll.num_rows
         tick("schedule", coll.num_rows, coll.num_rows)
@@ -360,7 +402,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         msg_writer = TableWriter(pq_tmp / "messages.parquet", "messages") if pq_tmp else None
         net_chunks: list[dict] = []
         done = 0
-        for msgs in lower_and_time(coll, topo, plan, selection):
+        tcp = np.asarray(sorted(measured.tcp_pairs), dtype=np.int64).reshape(-1, 2)
+        for msgs in lower_and_time(coll, topo, plan, selection, rings=measured.rings or None):
             is_net = msgs["link"] == "network"
             summary.messages += len(is_net)
             summary.network_messages += int(is_net.sum())
@@ -369,6 +412,11 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 summary.last_message_ns = max(summary.last_message_ns, int(msgs["t_end_ns"].max()))
             if msg_writer:
                 msg_writer.write(msgs)
+            if len(tcp) and is_net.any():
+                pair = msgs["src_rank"].astype(np.int64) * (1 << 32) + msgs["dst_rank"]
+                over_tcp = is_net & np.isin(pair, tcp[:, 0] * (1 << 32) + tcp[:, 1])
+                summary.tcp_messages += int(over_tcp.sum())
+                is_net = is_net & ~over_tcp
             if is_net.any():
                 net_chunks.append({k: v[is_net] for k, v in msgs.items()})
             done += len(is_net)
@@ -428,6 +476,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 summary.iteration_ns = int(workload.iteration_estimate(plan)["total_ns"])
         except (ImportError, AttributeError, KeyError):
             summary.iteration_ns = 0
+        if summary.tcp_messages:
+            summary.notes.append(f"{summary.tcp_messages:,} network messages went over NET/Socket (TCP) in the "
+                                 "measured run: kept in messages.parquet, not rendered as RoCEv2 packets")
         staging.commit()
         summary.outputs = [str(output)] + ([str(parquet_dir)] if write_parquet else [])
     except BaseException:
