@@ -494,3 +494,39 @@ def test_comm_time_model():
     assert (rate, lat) == (400e9, 2000)
     assert w.comm("ep", "all_to_all", 4e6, 4) == pytest.approx(2000 + 1e6 * 0.75 * 8 / 400e9 * 1e9)
     assert w.link("tp") == (900e9 * 8, 1000)
+
+
+@pytest.mark.parametrize("sched,zero,sp,cp_alg,recompute", [
+    ("1f1b", 0, False, "ring", "none"), ("gpipe", 1, True, "ring", "full"),
+    ("interleaved", 2, True, "all_gather", "selective"), ("interleaved", 3, False, "ring", "full"),
+    ("1f1b", 3, True, "all_gather", "none"),
+])
+def test_invariants_across_combinations(sched, zero, sp, cp_alg, recompute):
+    """Every combination builds a valid table: sizes follow the nccl-tests conventions
+    (reduce_scatter/all_gather: S = n x per-rank count; all_to_all: S = n x each rank's input;
+    all_reduce and send_recv: S = per-rank), ranks match group_size, src/dst only on send_recv,
+    and each communicator's ranks are the same on all its rows."""
+    plan = mkplan({"tp": 2, "pp": 2, "dp": 2, "cp": 2, "ep": 2, "pp_schedule": sched, "virtual_stages": 2,
+                   "zero": zero, "sequence_parallel": sp, "cp_algorithm": cp_alg},
+                  model=dict(MOE, num_hidden_layers=4, moe_layer_freq=2),
+                  training={"global_batch_size": 8, "recompute": recompute}, nodes=2, gpus=8)
+    t = build_collectives(plan)
+    check("collectives", t)
+    d = t.to_pydict()
+    members: dict[int, set] = {}
+    for i in range(t.num_rows):
+        op, n, S, per = d["op"][i], d["group_size"][i], d["bytes_global"][i], d["bytes_per_rank"][i]
+        assert len(d["ranks"][i]) == n and len(set(d["ranks"][i])) == n
+        if op in ("reduce_scatter", "all_gather", "all_to_all"):
+            assert S == n * per, (op, d["tensor"][i])
+        else:
+            assert S == per
+        if op == "send_recv":
+            assert d["ranks"][i] == [d["src"][i], d["dst"][i]] and n == 2
+        else:
+            assert d["src"][i] == d["dst"][i] == -1
+            members.setdefault(d["group"][i], set()).add(tuple(d["ranks"][i]))
+    assert all(len(v) == 1 for v in members.values())
+    assert {"tp", "pp", "dp", "cp", "ep"} <= set(d["parallelism"]) | ({"tp"} if sp else set())
+    e = iteration_estimate(plan)
+    assert e["total_ns"] >= e["compute_ns"] > 0
