@@ -205,7 +205,7 @@ def _lower(coll: pa.Table, topo: Topology, plan: Plan, rings=None, splits=None) 
     esz = np.where(bpr % esz == 0, esz, 1)
     size = np.array([len(x) for x in r.comms], dtype=np.int64)[r.comm] if r.comms else np.zeros(len(op_id), np.int64)
     # root of broadcast/reduce: src, else dst, else the first rank
-    first_rank = np.array([x[0] for x in r.comms], dtype=np.int64)[r.comm] if r.comms else size
+    first_rank = np.array([x[0] if len(x) else -1 for x in r.comms], dtype=np.int64)[r.comm] if r.comms else size
     root_g = np.where(r.src >= 0, r.src, np.where(r.dst >= 0, r.dst, first_rank))
     rooted = (ops == "broadcast") | (ops == "reduce")
     sp = np.full(len(op_id), -1, dtype=np.int64)
