@@ -555,3 +555,24 @@ def test_all_to_all_blocks_sit_at_their_send_displacements():
                 assert not sel.any()
             else:
                 assert m["buf_offset"][sel].min() == j * blk and m["bytes"][sel].sum() == blk
+
+
+def test_communicator_ranks_are_numbered_in_ascending_order():
+    # ingest lists a communicator in a measured ring's order; shard i still belongs to the i-th
+    # smallest rank, as in NCCL (comm rank) and torch.distributed.new_group (sorted ranks)
+    shard = 4 * 10
+    listed = [3, 1, 2, 0]
+    m = collectives.trace(make_coll([dict(op="all_gather", ranks=listed, b=shard)]), TOPO, BIG)
+    d = data_rows(m) & (m["step"] == 0)
+    for r in listed:
+        assert set(m["buf_offset"][d & (m["src_rank"] == r)] // shard) == {r}
+    ranks = sorted(listed)
+    init = np.full((4, 4 * 10), -1)
+    for i in range(4):
+        init[i, i * 10:(i + 1) * 10] = i
+    state, dup = replay(m, ranks, 4 * shard, init)
+    for j in range(4):
+        assert np.all(state[:, j * 10:(j + 1) * 10] == single_mask(4, j)) and dup == 0
+    # without src, a broadcast's root is the first rank as listed
+    m = collectives.lower(make_coll([dict(op="broadcast", ranks=listed, b=400)]), TOPO, BIG)
+    assert 3 in set(m["src_rank"][data_rows(m)]) and 3 not in set(m["dst_rank"][data_rows(m)])

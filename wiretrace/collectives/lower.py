@@ -205,8 +205,7 @@ def _lower(coll: pa.Table, topo: Topology, plan: Plan, rings=None, splits=None) 
     esz = np.where(bpr % esz == 0, esz, 1)
     size = np.array([len(x) for x in r.comms], dtype=np.int64)[r.comm] if r.comms else np.zeros(len(op_id), np.int64)
     # root of broadcast/reduce: src, else dst, else the first rank
-    first_rank = np.array([x[0] if len(x) else -1 for x in r.comms], dtype=np.int64)[r.comm] if r.comms else size
-    root_g = np.where(r.src >= 0, r.src, np.where(r.dst >= 0, r.dst, first_rank))
+    root_g = np.where(r.src >= 0, r.src, np.where(r.dst >= 0, r.dst, r.first_rank))
     rooted = (ops == "broadcast") | (ops == "reduce")
     sp = np.full(len(op_id), -1, dtype=np.int64)
     if splits:
@@ -341,8 +340,11 @@ def lower(coll: pa.Table, topo: Topology, plan: Plan,
 
     Parameters
     ----------
-    coll : collectives table (``schemas/collectives.schema.json``). ``algorithm`` ``auto`` or
-        empty is resolved as :func:`wiretrace.collectives.resolve_algorithms` does; an algorithm
+    coll : collectives table (``schemas/collectives.schema.json``). A communicator's rank ``i``
+        is its ``i``-th smallest global rank (shard ``i`` of all_gather/reduce_scatter, block
+        ``i`` of all_to_all), whatever the order of ``ranks``; ring and tree orders come from the
+        topology (:mod:`.placement`), ``rings`` or ``plan.collectives.ring_order``.
+        ``algorithm`` ``auto`` or empty is resolved as :func:`wiretrace.collectives.resolve_algorithms` does; an algorithm
         that does not apply to the operation falls back to the one NCCL would use.
         broadcast/reduce take their root from ``src`` (else ``dst``, else ``ranks[0]``).
     topo : placement (:func:`wiretrace.topology.build`).

@@ -39,7 +39,8 @@ class Rows:
     src: np.ndarray
     dst: np.ndarray
     comm: np.ndarray          # communicator id of each row (index into ``comms``), -1: none
-    comms: list[np.ndarray]   # distinct rank lists (send_recv: [src, dst])
+    comms: list[np.ndarray]   # distinct communicators, ranks ascending (send_recv: [src, dst])
+    first_rank: np.ndarray    # first rank of each row's ``ranks`` list as given (-1: empty)
 
 
 def read(coll: pa.Table, topo: Topology, ops: tuple[str, ...]) -> Rows:
@@ -96,16 +97,20 @@ def read(coll: pa.Table, topo: Topology, ops: tuple[str, ...]) -> Rows:
     comm = np.full(n, -1, dtype=np.int64)
     comms: list[np.ndarray] = []
     groups = [(2, np.nonzero(p2p)[0], np.stack([src[p2p], dst[p2p]], axis=1))]
+    # a communicator's rank i is its i-th smallest global rank (torch.distributed.new_group
+    # sorts the ranks it is given; the world communicator is the identity), whatever order the
+    # table lists them in (ingest lists them in a measured ring's order)
     for L in np.unique(length[~p2p]):
         idx = np.nonzero(~p2p & (length == L))[0]
-        groups.append((int(L), idx, rvals[roff[idx][:, None] + np.arange(L)[None, :]]))
+        groups.append((int(L), idx, np.sort(rvals[roff[idx][:, None] + np.arange(L)[None, :]], axis=1)))
     for L, idx, mat in groups:
         if len(idx) == 0:
             continue
         first, inv = distinct_rows(mat)
         comm[idx] = len(comms) + inv
         comms.extend(mat[first])
-    return Rows(op_id=op_id, op=op,
+    first_rank = np.where(length > 0, rvals[np.minimum(roff[:-1], max(len(rvals) - 1, 0))] if len(rvals) else -1, -1)
+    return Rows(op_id=op_id, op=op, first_rank=first_rank.astype(np.int64),
                 given_algorithm=np.asarray(anames, dtype=object)[ac] if n else np.zeros(0, object),
                 dtype=np.asarray(dnames, dtype=object)[dc] if n else np.zeros(0, object),
                 bytes_per_rank=bpr, src=src, dst=dst, comm=comm, comms=comms)
