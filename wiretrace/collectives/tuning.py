@@ -123,7 +123,7 @@ def algorithm_names(coll: pa.Table, topo: Topology, plan: Plan, rows=None) -> np
     out = np.empty(n, dtype=object)
     if n == 0:
         return out
-    given = np.where(r.given_algorithm == "", "auto", r.given_algorithm).astype(object)
+    given = np.array([(g or "auto").lower() for g in r.given_algorithm.tolist()], dtype=object)
     c = plan.cluster
     nic_share = min(1.0, c.nics_per_node / c.gpus_per_node)
     first, inv = unique_rows(r.op, given, r.bytes_per_rank, r.comm)
