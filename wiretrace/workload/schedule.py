@@ -32,8 +32,10 @@ What each parallelism exchanges (sources in the function docstrings):
   buckets reduce-scattered in ``grad_dtype`` (padded to a multiple of the DP size), parameters
   all-gathered in ``param_dtype`` after the optimizer step. ``zero: 3``: PyTorch FSDP FULL_SHARD
   (``torch/distributed/fsdp``; one flat parameter per wrapped layer) or DeepSpeed ZeRO-3
-  (``deepspeed/runtime/zero/partitioned_param_coordinator.py``; parameter by parameter): all-gather
-  before each layer's forward and again before its backward, gradient reduce-scatter after its
+  (``deepspeed/runtime/zero/partitioned_param_coordinator.py``; parameter by parameter, parameters
+  under ``stage3_param_persistence_threshold`` = 1e5 elements kept whole): all-gather before each
+  layer's forward and again before its backward (FSDP keeps the root unit — embeddings, final norm,
+  output layer — gathered between forward and backward), gradient reduce-scatter after its
   backward, every micro-batch. The DP communicator is Megatron's ``dp-cp`` group.
 * **CP** ring attention (TransformerEngine ``AttnFuncWithCPAndKVP2P``): per layer and micro-batch,
   ``cp - 1`` forward steps in which each rank sends its current K/V block to the next rank of the CP
@@ -66,6 +68,10 @@ from .groups import Groups, build_groups
 from .pipeline import Timeline, simulate, stage_order
 
 PHASES = ("init", "forward", "backward", "optimizer")
+
+#: DeepSpeed ZeRO-3 ``stage3_param_persistence_threshold`` default (elements): smaller parameters
+#: stay whole on every rank and are never all-gathered (DeepSpeed config documentation).
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 
 @dataclass
@@ -297,7 +303,10 @@ class Workload:
                        if (t.layer == layer_key if isinstance(layer_key, int) else (t.layer < 0 and t.where == layer_key))]
             units: list[tuple[str, list[ParamTensor]]]
             if self.plan.parallelism.zero3_granularity == "tensor":
-                units = [(t.name, [t]) for t in tensors]
+                # DeepSpeed keeps parameters below stage3_param_persistence_threshold unpartitioned:
+                # they are never gathered (their gradients are still reduce-scattered)
+                units = [(t.name, [t]) for t in tensors
+                         if phase_kind != "gather" or self.shard(t) >= ZERO3_PERSISTENCE_THRESHOLD]
             else:
                 name = f"layers.{layer_key}" if isinstance(layer_key, int) else ("embed" if layer_key == "first" else "head")
                 units = [(name, tensors)]
@@ -362,7 +371,8 @@ class Workload:
                         coll("tp", "all_reduce", "tp", nm, ce, ce, "fp32", -1, tp)
         else:
             if last:
-                zero3_units("last", "gather")
+                if self.plan.parallelism.zero3_granularity == "tensor":
+                    zero3_units("last", "gather")   # FSDP keeps the root unit gathered for backward
                 sp_gather("lm_head.input", -1, wait=False)
                 work(2 * head_flops(m, self.b, self.s_local) / (self.flops_ns * tp))
                 if tp > 1:
