@@ -262,6 +262,24 @@ def test_distributed_optimizer_reduce_scatter_and_all_gather():
         assert not rows(t, op="all_reduce", parallelism="dp")
 
 
+def test_distributed_optimizer_bucket_padding():
+    """Megatron-LM ``param_and_grad_buffer.py``: parameters start at multiples of 64 elements, the
+    bucket ends at a multiple of lcm(dp, 128)."""
+    from wiretrace.workload.schedule import distributed_optimizer_bucket_numel as f
+
+    assert f([100, 1000], 8) == 1152            # 100 -> 128 + 1000 = 1128 -> 9 x 128
+    assert f([10, 10], 6) == 384                # 10 -> 64 + 10 = 74 -> lcm(6, 128) = 384
+    assert f([262144], 8) == 262144
+    t = build_collectives(mkplan({"dp": 6, "zero": 1}, model=dict(TWO_LAYERS, hidden_size=96, intermediate_size=200,
+                                                                 num_attention_heads=4, num_key_value_heads=4),
+                                 training={"global_batch_size": 12, "dp_bucket_bytes": "4MiB"}, nodes=1, gpus=6))
+    rs = rows(t, op="reduce_scatter")
+    assert all(r["bytes_global"] % (4 * 384) == 0 and r["bytes_per_rank"] * 6 == r["bytes_global"] for r in rs)
+    # everything fits one 4 MiB bucket: 2 layers + norm + embedding + output layer, each aligned to 64
+    numels = [1024 * 96, 96] + [96 * 200, 200 * 96, 200 * 96, 96, 96 * 96, 96 * 96, 96 * 96, 96 * 96, 96] * 2 + [1024 * 96]
+    assert sum(r["bytes_global"] for r in rs) == 4 * f(numels, 6)
+
+
 def test_zero3_per_tensor_all_gather_sizes_equal_parameter_shapes():
     """DeepSpeed ZeRO-3 (``partitioned_param_coordinator.py``) gathers parameter by parameter: every
     all-gather moves one tensor (its element count x param bytes) before the forward and again

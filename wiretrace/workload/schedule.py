@@ -30,7 +30,8 @@ What each parallelism exchanges (sources in the function docstrings):
   the last micro-batch. ``zero: 1|2``: Megatron-LM distributed optimizer
   (``megatron/core/distributed/param_and_grad_buffer.py``, ``distrib_optimizer.py``): the same
   buckets reduce-scattered in ``grad_dtype`` (padded to a multiple of the DP size), parameters
-  all-gathered in ``param_dtype`` after the optimizer step. ``zero: 3``: PyTorch FSDP FULL_SHARD
+  all-gathered in ``param_dtype`` after the optimizer step (buckets padded as Megatron-LM pads them,
+  :func:`distributed_optimizer_bucket_numel`). ``zero: 3``: PyTorch FSDP FULL_SHARD
   (``torch/distributed/fsdp``; one flat parameter per wrapped layer) or DeepSpeed ZeRO-3
   (``deepspeed/runtime/zero/partitioned_param_coordinator.py``; parameter by parameter, parameters
   under ``stage3_param_persistence_threshold`` = 1e5 elements kept whole): all-gather before each
@@ -491,6 +492,20 @@ def _buckets(w: Workload, tensors: list[ParamTensor], cap_bytes: int, elem_bytes
     return out
 
 
+def distributed_optimizer_bucket_numel(numels: list[int], dp: int) -> int:
+    """Elements of one Megatron-LM distributed-optimizer bucket holding tensors of ``numels``.
+
+    ``megatron/core/distributed/param_and_grad_buffer.py``: each parameter starts at a multiple of
+    64 elements (``_pad_start_of_param_if_needed``) and the bucket ends at a multiple of
+    ``lcm(dp, 128)`` (``_pad_end_of_bucket_if_needed``), so every rank owns an equal,
+    aligned shard.
+    """
+    idx = 0
+    for n in numels:
+        idx = _ceil_to(idx, 64) + n
+    return _ceil_to(idx, math.lcm(dp, 128))
+
+
 def _templates(w: Workload) -> dict[tuple[str, int, int], Template]:
     """Templates keyed by (family, stage, peer stage) — peer stage only for pipeline pairs."""
     tl = w.timeline
@@ -553,7 +568,7 @@ def _templates(w: Workload) -> dict[tuple[str, int, int], Template]:
                         tmpl(fam, s).add(tr, "all_reduce", "dp", f"grad.{prefix}{label}{k}", nb, nb, w.grad_dtype,
                                          "backward", -1, -1, s)
                     else:
-                        padded = _ceil_to(numel, n)
+                        padded = distributed_optimizer_bucket_numel([w.shard(t) for t in bucket], n)
                         tmpl(fam, s).add(tr, "reduce_scatter", "dp", f"grad.{prefix}{label}{k}", padded * w.grad_b,
                                          padded // n * w.grad_b, w.grad_dtype, "backward", -1, -1, s)
                         tmpl(fam + "_opt", s).add(0.0, "all_gather", "dp", f"param.{prefix}{label}{k}",
