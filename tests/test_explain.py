@@ -48,6 +48,12 @@ def test_embedding_and_block_shapes(report):
     assert fwd["attention scores"]["shape"] == [4, 3, 1024, 1024]
     assert fwd["up_proj out"]["shape"] == [4, 1024, 768]
     assert "gate_proj out" not in fwd
+    blk = report["block"]
+    # Korthikanti et al. 2022 table 2, tensor parallelism without SP: sbh(10 + 24/t + 5as/(ht))
+    sbh = 1024 * 4 * 768
+    assert blk["korthikanti_bytes"] == int(sbh * (10 + 24 / 4 + 5 * 12 * 1024 / (768 * 4)))
+    assert blk["stage0_layers"] == 12 and blk["microbatches_in_flight"] == 1
+    assert blk["activations_stage0_bytes"] == 12 * blk["activations_kept_bytes"]
 
 
 def test_parallelism_totals(report):

@@ -81,9 +81,11 @@ def block_section(w: Workload, layer: int | None = None) -> dict:
     """Shapes and bytes of one transformer block on one TP rank for one micro-batch.
 
     Activations kept for backward assume FlashAttention (softmax statistics instead of the
-    ``s x s`` scores) and no dropout; Korthikanti et al. 2022 (table 2) give
-    ``s b h (34 + 5 a s / h)`` bytes per layer for GPT with dropout and materialized scores,
-    ``/ t`` with tensor and sequence parallelism: shown as ``korthikanti_bytes`` for comparison.
+    ``s x s`` scores) and no dropout; Korthikanti et al. 2022 (table 2) give, for GPT with dropout
+    and materialized scores, ``s b h (10 + 24/t + 5 a s/(h t))`` bytes per layer with tensor
+    parallelism, ``s b h / t (34 + 5 a s / h)`` with sequence parallelism too, without the
+    ``5 a s / h`` term with selective recomputation and ``2 s b h`` with full recomputation:
+    shown as ``korthikanti_bytes`` for comparison.
     """
     m = w.m
     if layer is None:
@@ -139,9 +141,33 @@ def block_section(w: Workload, layer: int | None = None) -> dict:
         kept = (2 * b * ssp * h + (b * sl * h if not w.sp else b * ssp * h) * 2) * ab   # x, norm2 in, norm outs
         kept += b * sl * (a + 2 * g) * hd * ab + b * a * sl * 4 + b * sl * a * hd * ab
         kept += (3 if m.gated_mlp else 2) * b * sl * f_local * ab
-    kor = s_full // w.cp * b * h * (34 + 5 * m.num_attention_heads * s_full / h) / (tp if w.sp else 1)
+    # Korthikanti et al. 2022, table 2 (bytes per layer, 16-bit activations, GPT with dropout):
+    # TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh/t (34 + 5as/h); selective: drop the 5as/h term;
+    # full recompute: 2sbh
+    sbh = w.s_local * b * h
+    a_s_h = 5 * m.num_attention_heads * s_full / h
+    if rc == "full":
+        kor = 2 * sbh
+    elif w.sp:
+        kor = sbh / tp * (34 + (0 if rc == "selective" else a_s_h))
+    else:
+        kor = sbh * (10 + 24 / tp + (0 if rc == "selective" else a_s_h / tp))
+    # micro-batches whose activations the first pipeline stage holds at once: all of them with
+    # GPipe, pp with 1F1B (Narayanan et al. 2021 sec. 2.2), and the interleaved warm-up depth
+    # ((pp - 1) * 2 + (v - 1) * pp + 1 passes of 1/v of the layers) with interleaving
+    pp, mbs, v = w.pp, w.mbs, w.v
+    sched = w.plan.parallelism.pp_schedule
+    if sched == "gpipe":
+        in_flight = float(mbs)
+    elif v > 1:
+        in_flight = min((pp - 1) * 2 + (v - 1) * pp + 1, mbs * v) / v
+    else:
+        in_flight = float(min(pp, mbs))
+    stage0_layers = sum(len(w.layers[c * pp]) for c in range(v))
     return {"layer": layer, "moe": moe, "forward": fwd, "backward": bwd,
             "activations_kept_bytes": int(kept), "korthikanti_bytes": int(kor), "recompute": rc,
+            "microbatches_in_flight": in_flight, "stage0_layers": stage0_layers,
+            "activations_stage0_bytes": int(kept * stage0_layers * in_flight),
             "weight_grad_bytes": int(sum(t["bytes"] for t in bwd if t["name"].startswith("grad ")))}
 
 
@@ -460,8 +486,10 @@ def render(report: dict, console=None) -> None:
     con.print(shape_table("forward", blk["forward"]))
     con.print(shape_table("backward", blk["backward"]))
     con.print(f"activations kept for backward: {human_bytes(blk['activations_kept_bytes'])} per layer "
-              f"(recompute {blk['recompute']}; Korthikanti et al. formula without FlashAttention: "
+              f"(recompute {blk['recompute']}; Korthikanti et al. table 2 for GPT without FlashAttention: "
               f"{human_bytes(blk['korthikanti_bytes'])}); weight gradients {human_bytes(blk['weight_grad_bytes'])}")
+    con.print(f"first pipeline stage: {blk['stage0_layers']} layers x {blk['microbatches_in_flight']:g} micro-batches "
+              f"in flight = {human_bytes(blk['activations_stage0_bytes'])} of activations per GPU")
 
     con.rule("4. parallelism: what is exchanged, per iteration")
     t = Table()
