@@ -91,6 +91,8 @@ def test_load_tokenizer_json(corpus, tmp_path):
 def test_errors(tmp_path, corpus):
     with pytest.raises(WiretraceError, match="no such file"):
         corpus_stats(tmp_path / "none.txt", 1024, 8, 1000)
+    with pytest.raises(WiretraceError, match="is a directory"):
+        corpus_stats(tmp_path, 1024, 8, 1000)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(WiretraceError, match="empty"):

@@ -70,6 +70,8 @@ def load_tokenizer(path: str | Path):
 
 def _check_corpus(corpus: str | Path) -> Path:
     p = Path(corpus)
+    if p.is_dir():
+        raise WiretraceError(f"--corpus {p}: is a directory, expected a text file")
     if not p.is_file():
         raise WiretraceError(f"--corpus {p}: no such file")
     if p.stat().st_size == 0:
