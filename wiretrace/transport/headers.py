@@ -201,7 +201,21 @@ class Header:
             out = np.empty((n, self.length), dtype=np.uint8)
         elif out.shape != (n, self.length):
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected {(n, self.length)}")
-        out[...] = tmpl
+        covered = np.zeros(self.length, dtype=bool)     # bytes fully written from array fields
+        for name in arrays:
+            f = self.by_name[name]
+            covered[f.first_byte:f.last_byte + 1] = True
+        b = 0
+        while b < self.length:                           # template bytes, in runs
+            if covered[b]:
+                b += 1
+                continue
+            e = b
+            while e < self.length and not covered[e]:
+                e += 1
+            out[:, b:e] = tmpl[b:e]
+            b = e
+        byte_or: dict[int, np.ndarray] = {}
         for name, v in arrays.items():
             f = self.by_name[name]
             if v.ndim == 2:
@@ -215,17 +229,30 @@ class Header:
                 raise ValueError(f"{self.name}.{name}: a {f.bits}-bit field needs (n, {f.bits // 8}) uint8 rows")
             if f.byte_aligned:
                 k = f.bits // 8
-                out[:, f.first_byte:f.first_byte + k] = _big_endian_bytes(v, k)
+                if k == 1:
+                    out[:, f.first_byte] = v
+                else:
+                    out[:, f.first_byte:f.first_byte + k] = _big_endian_bytes(v, k)
                 continue
-            # Sub-byte or unaligned field: OR its bits into each byte it spans.
-            w = v.astype(np.uint64, copy=False) & np.uint64((1 << f.bits) - 1)
             end = f.offset + f.bits
+            if f.first_byte == f.last_byte:
+                # a field inside one byte: shift in uint8, OR with its neighbours once per byte
+                shift = 8 * (f.first_byte + 1) - end
+                part = (v.astype(np.uint8, copy=False) & np.uint8((1 << f.bits) - 1)) << np.uint8(shift)
+                b = f.first_byte
+                byte_or[b] = part if b not in byte_or else (byte_or[b] | part)
+                continue
+            # a field across bytes: OR its bits into each byte it spans
+            w = v.astype(np.uint64, copy=False) & np.uint64((1 << f.bits) - 1)
             for b in range(f.first_byte, f.last_byte + 1):
                 shift = end - 8 * (b + 1)
                 lo, hi = max(f.offset, 8 * b), min(end, 8 * (b + 1))
                 mask = ((1 << (hi - lo)) - 1) << (8 * (b + 1) - hi)
                 part = (w >> np.uint64(shift)) if shift >= 0 else (w << np.uint64(-shift))
-                out[:, b] |= (part & np.uint64(mask)).astype(np.uint8)
+                part = (part & np.uint64(mask)).astype(np.uint8)
+                byte_or[b] = part if b not in byte_or else (byte_or[b] | part)
+        for b, part in byte_or.items():
+            out[:, b] = part | tmpl[b] if tmpl[b] else part
         return out
 
     # -- reading ------------------------------------------------------------------------------

@@ -200,6 +200,41 @@ def _pattern_word_sums() -> np.ndarray:
 _PATTERN_WORDS = _pattern_word_sums()
 
 
+_MAC64: dict[int, np.ndarray] = {}
+
+
+def _nic_mac64(topo: Topology) -> np.ndarray:
+    """MAC of every NIC as one uint64 (48 significant bits), cached per topology."""
+    key = id(topo.nic_mac)
+    if key not in _MAC64:
+        m = topo.nic_mac.astype(np.uint64)
+        v = np.zeros(len(m), dtype=np.uint64)
+        for i in range(6):
+            v = (v << np.uint64(8)) | m[:, i]
+        _MAC64.clear()
+        _MAC64[key] = v
+    return _MAC64[key]
+
+
+_IPV4_BASE_SUM = None
+
+
+def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.ndarray:
+    """RFC 1071 checksum of the IPv4 headers from their columns: the constant words (version,
+    IHL, flags, TTL, protocol) summed once, the varying ones added per row."""
+    global _IPV4_BASE_SUM
+    if _IPV4_BASE_SUM is None:
+        t = H.IPV4.template(dscp=0, ecn=0, total_length=0, id=0, src=0, dst=0, checksum=0)
+        _IPV4_BASE_SUM = int(t.view(">u2").astype(np.uint32).sum())
+    ip = topo.nic_ipv4.astype(np.uint32)
+    words = (ip >> np.uint32(16)) + (ip & np.uint32(0xFFFF))
+    s = (np.uint32(_IPV4_BASE_SUM) + ((dscp.astype(np.uint32) << np.uint32(2)) | ecn) + total + ident
+         + words[F.src] + words[F.dst])
+    s = (s & np.uint32(0xFFFF)) + (s >> np.uint32(16))
+    s = (s & np.uint32(0xFFFF)) + (s >> np.uint32(16))
+    return (~s & np.uint32(0xFFFF)).astype(np.uint16)
+
+
 def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
     t = plan.transport
     n, width = slots.shape
@@ -212,10 +247,19 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan)
     emax = int(F.ext_len.max())
     limit = prefix + F.caplen                      # per-row end of captured bytes
 
-    # all headers of every frame, whatever the snap length (ICRC and checksums need them)
-    hdr = np.empty((n, hb + emax), dtype=np.uint8)
+    # All headers of every frame, whatever the snap length (ICRC and checksums need them): in
+    # the slots themselves when they fit, else in a side array copied into the slots.
+    ext_off = prefix + hb
+    full = width >= ext_off + emax
+    if full:
+        if width > ext_off:
+            slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
+        hdr = slots[:, prefix:ext_off + emax]
+    else:
+        hdr = np.empty((n, hb + emax), dtype=np.uint8)
     ip_type = H.ETHERTYPE_IPV4 if v4 else H.ETHERTYPE_IPV6
-    H.ETHERNET.pack(n, {"dst": topo.nic_mac[F.dst], "src": topo.nic_mac[F.src],
+    mac = _nic_mac64(topo)
+    H.ETHERNET.pack(n, {"dst": mac[F.dst], "src": mac[F.src],
                         "type": H.ETHERTYPE_VLAN if vlan else ip_type}, out=hdr[:, :H.ETHERNET.length])
     if vlan:
         H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}, out=hdr[:, H.ETHERNET.length:l2])
@@ -223,42 +267,42 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan)
     ecn = _col(packets, "ecn", np.uint8)
     psn = _col(packets, "psn", np.int64)
     if v4:
-        ip = H.IPV4.pack(n, {"dscp": dscp, "ecn": ecn, "total_length": (F.frame_len - l2).astype(np.uint16),
-                             "id": (psn & 0xFFFF).astype(np.uint16),
-                             "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst]}, out=hdr[:, l2:udp_at])
-        ip[:, 10:12] = _be(H.ipv4_checksum(ip), 2)
+        total = (F.frame_len - l2).astype(np.uint32)
+        ident = (psn & 0xFFFF).astype(np.uint32)
+        H.IPV4.pack(n, {"dscp": dscp, "ecn": ecn, "total_length": total, "id": ident,
+                        "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst],
+                        "checksum": _ipv4_checksum(topo, F, dscp, ecn, total, ident)},
+                    out=hdr[:, l2:udp_at])
     else:
         H.IPV6.pack(n, {"dscp": dscp, "ecn": ecn, "payload_length": (F.frame_len - udp_at).astype(np.uint16),
                         "src": topo.nic_ipv6[F.src], "dst": topo.nic_ipv6[F.dst]}, out=hdr[:, l2:udp_at])
-    H.UDP.pack(n, {"sport": (_col(packets, "udp_sport", np.int64) & 0xFFFF).astype(np.uint16),
+    H.UDP.pack(n, {"sport": _col(packets, "udp_sport", np.int64).astype(np.uint16),
                    "length": (F.frame_len - udp_at).astype(np.uint16)}, out=hdr[:, udp_at:udp_at + H.UDP.length])
     is_cnp = F.opcode == H.CNP_OPCODE
-    H.BTH.pack(n, {"opcode": F.opcode, "migreq": (~is_cnp).astype(np.uint8),
-                   "padcnt": F.pad.astype(np.uint8), "becn": is_cnp.astype(np.uint8),
-                   "destqp": (_col(packets, "dest_qp", np.int64) & 0xFFFFFF).astype(np.uint32),
-                   "ackreq": _col(packets, "ack_req").astype(np.uint8),
-                   "psn": (psn & 0xFFFFFF).astype(np.uint32)}, out=hdr[:, udp_at + H.UDP.length:hb])
+    bth = {"opcode": F.opcode, "padcnt": F.pad.astype(np.uint8),
+           "destqp": _col(packets, "dest_qp", np.int64).astype(np.uint32),
+           "ackreq": _col(packets, "ack_req").astype(np.uint8), "psn": psn.astype(np.uint32)}
+    if is_cnp.any():
+        bth.update(migreq=(~is_cnp).astype(np.uint8), becn=is_cnp.astype(np.uint8))
+    H.BTH.pack(n, bth, out=hdr[:, udp_at + H.UDP.length:hb])
+    if not full:
+        _put(slots, prefix, hdr[:, :hb])
+        if width > ext_off:
+            slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
     groups = {code: np.nonzero(F.opcode == code)[0] for code in np.unique(F.opcode[F.ext_len > 0]).tolist()}
-    for code, rows in groups.items():
-        ext = _ext_rows(F, packets, code, rows)
-        hdr[rows, hb:hb + ext.shape[1]] = ext
-
-    # slots: payload pattern after the BTH for all rows, then the headers over it
-    ext_off = prefix + hb
-    if width > ext_off:
-        slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
-    _put(slots, prefix, hdr[:, :hb])
     span = width - ext_off
     for code, rows in groups.items():
-        if span <= 0:
-            break
-        el = int(H.EXT_LEN[code])
-        block = np.empty((len(rows), span), dtype=np.uint8)
-        k = min(el, span)
-        block[:, :k] = hdr[rows, hb:hb + k]
-        if span > el:
-            block[:, el:] = PAYLOAD_PATTERN[:span - el]
-        slots[rows, ext_off:] = block
+        ext = _ext_rows(F, packets, code, rows)
+        el = ext.shape[1]
+        if not full:
+            hdr[rows, hb:hb + el] = ext
+        if span > 0:
+            block = np.empty((len(rows), span), dtype=np.uint8)
+            k = min(el, span)
+            block[:, :k] = ext[:, :k]
+            if span > el:
+                block[:, el:] = PAYLOAD_PATTERN[:span - el]
+            slots[rows, ext_off:] = block
     _zero_pad(slots, ext_off, F)
 
     # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC)
