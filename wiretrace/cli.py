@@ -426,9 +426,11 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
 @click.option("--loop", type=int, default=1, show_default=True, help="Passes over the capture.")
 @click.option("--engine", type=click.Choice(["native", "tcpreplay"]), default="native", show_default=True,
               help="tcpreplay: hand an interface replay to tcpreplay.")
+@click.option("--rt-priority", type=int, help="Run the sender under SCHED_FIFO at this priority (1-99; "
+                                             "root or CAP_SYS_NICE) for precise timing on a busy host.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, as_json):
+def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, rt_priority, as_json):
     """Replay CAPTURE on an interface (--iface) or to a UDP socket (--udp), keeping its timing.
 
     Truncated frames are padded back to their original length. Reports packets, bytes, the
@@ -440,7 +442,7 @@ def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, as_jso
     from .replay import replay as run
 
     rep = run(capture, iface=iface, udp=udp, speed=speed, pps=pps, mbps=mbps, topspeed=topspeed,
-              loop=loop, engine=engine)
+              loop=loop, engine=engine, rt_priority=rt_priority)
     if as_json:
         click.echo(json.dumps(rep.as_dict(), indent=2))
         return

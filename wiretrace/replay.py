@@ -15,7 +15,10 @@ Pacing: frame ``i`` is due at ``t0 + (ts_i - ts_0) / speed`` (recorded timing), 
 pps`` (``pps``), when the bits before it have gone at ``mbps`` (``mbps``), or at once
 (``topspeed``). Loops follow each other without pause and keep counting. The sender sleeps until
 about 200 µs before a frame is due and spins for the rest, so a frame leaves within a few
-microseconds of its due time on an idle machine; the report gives the actual error.
+microseconds of its due time on an idle machine; on a busy one the scheduler may hold it for
+milliseconds, unless ``rt_priority`` runs the sender under SCHED_FIFO (then it sleeps until 50 µs
+before). Late frames are sent at once (the schedule catches up). The report gives the actual
+error.
 
 ``engine="tcpreplay"`` hands an interface replay to tcpreplay (``--multiplier``, ``--pps``,
 ``--mbps``, ``--topspeed``, ``--loop``), after writing a padded copy when frames were truncated,
@@ -209,14 +212,35 @@ class _Pacer:
         return out
 
 
-def _wait_until(due_abs_ns: int) -> int:
+RT_SPIN_NS = 50_000
+"""Spin margin under SCHED_FIFO, where a sleeping sender wakes within tens of microseconds."""
+
+
+def _wait_until(due_abs_ns: int, spin_ns: int = SPIN_NS) -> int:
     while True:
         now = time.perf_counter_ns()
         left = due_abs_ns - now
         if left <= 0:
             return now
-        if left > SPIN_NS:
-            time.sleep((left - SPIN_NS) / 1e9)
+        if left > spin_ns:
+            time.sleep((left - spin_ns) / 1e9)
+
+
+def set_realtime(priority: int) -> None:
+    """Run the calling process under SCHED_FIFO at ``priority`` (1..99; sched(7)), so that other
+    work on a loaded host does not delay frames by milliseconds.
+
+    Raises
+    ------
+    WiretraceError : priority out of range, or no permission (root or CAP_SYS_NICE needed).
+    """
+    lo, hi = os.sched_get_priority_min(os.SCHED_FIFO), os.sched_get_priority_max(os.SCHED_FIFO)
+    if not lo <= priority <= hi:
+        raise WiretraceError(f"--rt-priority {priority}: expected {lo}..{hi}")
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except PermissionError:
+        raise WiretraceError("--rt-priority needs root or CAP_SYS_NICE (SCHED_FIFO)") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +251,7 @@ def _wait_until(due_abs_ns: int) -> int:
 def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = None,
            speed: float = 1.0, pps: float | None = None, mbps: float | None = None,
            topspeed: bool = False, loop: int = 1, engine: str = "native",
+           rt_priority: int | None = None,
            progress: Callable[[int], None] | None = None) -> ReplayReport:
     """Replay ``capture`` on ``iface`` or to ``udp`` (exactly one of them).
 
@@ -241,6 +266,8 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
     topspeed : send as fast as possible.
     loop : passes over the capture (>= 1).
     engine : ``native`` or ``tcpreplay`` (interface only).
+    rt_priority : run the sender under SCHED_FIFO at this priority (root or CAP_SYS_NICE): frames
+        leave within tens of microseconds of their due time even on a busy host.
     progress : called with the number of frames sent after each batch.
 
     Returns
@@ -267,6 +294,8 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
         raise WiretraceError(f"--engine {engine}: expected native or tcpreplay")
     with open_capture(capture):
         pass  # one clear line now when the file is not a capture
+    if rt_priority is not None:
+        set_realtime(rt_priority)
     if engine == "tcpreplay":
         if iface is None:
             raise WiretraceError("--engine tcpreplay sends on interfaces only; use the native engine with --udp")
@@ -314,6 +343,7 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
         def send(data, _s=sock.sendto, _a=addr):
             return _s(data, _a)
     pacer = _Pacer(speed, pps, mbps, topspeed)
+    spin = RT_SPIN_NS if os.sched_getscheduler(0) == os.SCHED_FIFO else SPIN_NS
     errors = Distribution(classes=None, max_distinct=4096)
     err_sum = 0.0
     first_sent = last_sent = None
@@ -362,7 +392,7 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                     a = int(start[i])
                     av = int(avail[i])
                     frame = mv[a:a + av] if av >= ln else bytes(mv[a:a + av]) + bytes(ln - av)
-                    sent_at[i] = _wait_until(t0 + int(due[i]))
+                    sent_at[i] = _wait_until(t0 + int(due[i]), spin)
                     try:
                         send(frame)
                     except OSError as e:
