@@ -449,7 +449,8 @@ def ib_frame(opcode, psn, dqpn, payload=b"", ext=b"", dlid=3, slid=7, vl=0, sl=2
     lrh = struct.pack(">BBHHH", (vl << 4), (sl << 4) | (3 if grh else 2), dlid, words, slid)
     masked = bytearray(lrh + g + body)
     masked[0] |= 0xF0                      # VL
-    if grh:
+    if grh:  # a global packet's ICRC leaves out the whole LRH (routers rebuild it)
+        masked[0:8] = b"\xff" * 8
         masked[8] |= 0x0F                  # TClass (low nibble of byte 0, high of byte 1)
         masked[9:12] = b"\xff\xff\xff"      # TClass, FlowLabel
         masked[15] = 0xFF                  # HopLmt
@@ -531,11 +532,15 @@ def test_native_ib_with_grh(tmp_path):
     assert [format_address(a) for a in c["src_addr"]] == ["fe80::2:c903:0:1111"] * 2
     assert [format_address(a) for a in c["dst_addr"]] == ["fe80::2:c903:0:2222"] * 2
     assert c["payload_len"].tolist() == [100, 9] and c["frame_len"].tolist() == [len(f) for f in frames]
-    # the GRH hop limit is outside the ICRC but inside the VCRC
+    # the GRH hop limit and the whole LRH (a router rewrites DLID and SLID) are outside the
+    # ICRC of a global packet, but inside the VCRC
     f = bytearray(frames[1])
     f[15] = 1
-    rep = validate_capture(erf_file(tmp_path / "grh2.erf", [frames[0], bytes(f)]))
-    only(rep, "vcrc")
+    g = bytearray(frames[0])
+    g[2:4] = b"\x00\x63"  # DLID 0x63
+    g[6:8] = b"\x00\x64"  # SLID 0x64
+    rep = validate_capture(erf_file(tmp_path / "grh2.erf", [bytes(g), bytes(f)]))
+    assert [v.frame for v in only(rep, "vcrc", 2)] == [1, 2]
     shown = subprocess.run([tshark(), "-r", str(path), "-T", "fields", "-e", "infiniband.grh.sgid",
                             "-e", "infiniband.grh.dgid", "-e", "infiniband.bth.psn"],
                            capture_output=True, text=True, check=True).stdout.split()
