@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -132,47 +133,66 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
     if max_file_size is not None and max_file_size <= len(header):
         raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} file header")
     files: list[_File] = []
-    done: list[_File] = []
-    buf = None
+
+    def put(slots: np.ndarray, reclen: np.ndarray) -> None:
+        """Append one chunk's records (runs on the I/O thread, one chunk after another)."""
+        cur = files[-1]
+        n = len(reclen)
+        lo = 0
+        while lo < n:
+            hi = n
+            if max_file_size is not None:
+                room = max_file_size - cur.size
+                cum = np.cumsum(reclen[lo:])
+                hi = lo + int(np.searchsorted(cum, room, side="right"))
+                if hi == lo:
+                    if cur.packets == 0:   # a record larger than the limit gets a file of its own
+                        hi = lo + 1
+                    else:
+                        cur.close()
+                        cur = _File(_rotated_name(path, len(files)), header)
+                        files.append(cur)
+                        continue
+            cur.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
+            lo = hi
+
+    # Rendering chunk k+1 overlaps the kernel copying chunk k: two slot buffers alternate between
+    # this thread and one I/O thread (os.writev and most NumPy loops release the GIL).
+    bufs: list[np.ndarray | None] = [None, None]
+    pending: list[Future | None] = [None, None]
     packets = 0
-    try:
-        cur = _File(_rotated_name(path, 0), header)
-        files.append(cur)
-        for chunk in packet_chunks:
-            n = len(chunk["ts_ns"])
-            if n == 0:
-                continue
-            slots, reclen = _records(fmt, chunk, buf)
-            if buf is None or buf.size < slots.size:
-                buf = slots.reshape(-1)      # reused by the next chunks
-            lo = 0
-            while lo < n:
-                hi = n
-                if max_file_size is not None:
-                    room = max_file_size - cur.size
-                    cum = np.cumsum(reclen[lo:])
-                    hi = lo + int(np.searchsorted(cum, room, side="right"))
-                    if hi == lo:
-                        if cur.packets == 0:   # a record larger than the limit gets a file of its own
-                            hi = lo + 1
-                        else:
-                            cur.close()
-                            done.append(cur)
-                            cur = _File(_rotated_name(path, len(files)), header)
-                            files.append(cur)
-                            continue
-                pieces = slot_pieces(slots[lo:hi], reclen[lo:hi])
-                cur.write(pieces, int(reclen[lo:hi].sum()), hi - lo)
-                lo = hi
-            packets += n
-            if progress:
-                progress(packets)
-        for f in files:
-            f.commit()
-    except BaseException:
-        for f in files:
-            f.abort()
-        raise
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as pool:
+        try:
+            files.append(_File(_rotated_name(path, 0), header))
+            k = 0
+            for chunk in packet_chunks:
+                n = len(chunk["ts_ns"])
+                if n == 0:
+                    continue
+                i = k & 1
+                if pending[i] is not None:
+                    pending[i].result()          # the buffer is free again
+                slots, reclen = _records(fmt, chunk, bufs[i])
+                if bufs[i] is None or bufs[i].size < slots.size:
+                    bufs[i] = slots.reshape(-1)
+                pending[i] = pool.submit(put, slots, reclen)
+                k += 1
+                packets += n
+                if progress:
+                    progress(packets)
+            for f in pending:
+                if f is not None:
+                    f.result()
+            for f in files:
+                f.commit()
+        except BaseException:
+            for f in pending:
+                if f is not None:
+                    f.cancel()
+            pool.shutdown(wait=True)
+            for f in files:
+                f.abort()
+            raise
     return {"packets": packets, "bytes": sum(f.size for f in files), "files": [str(f.path) for f in files]}
 
 

@@ -429,7 +429,7 @@ def _sorted(p: dict) -> dict:
     return _take(p, o)
 
 
-def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1 << 19
+def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1 << 17
               ) -> Iterator[dict[str, np.ndarray]]:
     """Packets of the network messages, as time-ordered chunks of the packets table.
 

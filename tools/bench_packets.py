@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Benchmark of the packet layer: messages -> packets -> frames -> pcap, end to end.
+
+Runs, in one process:
+
+1. headers-only capture (snap length just past the transport headers: Ethernet + IPv4 + UDP +
+   BTH + RETH = 70 bytes) of ``--packets`` packets: wiretrace end to end (packetize, render,
+   write), then one ``write()`` of the same bytes to a file in the same directory;
+2. whole frames (``--whole-packets`` packets, path MTU 4096): the same two timings;
+3. dpkt's pcap writer writing the same headers-only frames from prebuilt bytes (a sample);
+4. scapy building the same kind of frames (a sample).
+
+The workload is NCCL-like: 16 NICs (4 nodes x 4), each sending 512 KiB messages (NCCL's Simple
+protocol step) to the NIC of the next node back to back at 400 Gb/s, RDMA WRITE ... WRITE WITH
+IMMEDIATE plus one ACK per message.
+
+Usage::
+
+    python tools/bench_packets.py                       # default sizes, about a minute
+    python tools/bench_packets.py --packets 100000000 --rss-only   # 100M packets, peak RSS
+
+Peak RSS is the process's maximum resident set (``getrusage``), in MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from wiretrace import plan as P
+from wiretrace import tables, topology
+from wiretrace.io import write_capture
+from wiretrace.transport import packetize
+
+HEADERS_SNAPLEN = 14 + 20 + 8 + 12 + 16
+
+
+def make_setup(nodes: int = 4, nics: int = 4):
+    doc = {"name": "bench", "cluster": {"nodes": nodes, "gpus_per_node": nics, "nics_per_node": nics,
+                                        "nic_rate": "400Gbps", "latency": "2us"},
+           "transport": {"path_mtu": 4096}}
+    plan = P.from_dict(doc, require_model=False)
+    return plan, topology.build(plan)
+
+
+def make_messages(plan, topo, packets: int, msg_bytes: int = 512 * 1024) -> dict:
+    """Network messages that produce about ``packets`` packets (data + ACKs)."""
+    per_msg = -(-msg_bytes // plan.transport.path_mtu) + 1
+    n = max(1, packets // per_msg)
+    nics = topo.num_nics
+    src = (np.arange(n) % nics).astype(np.int32)
+    dst = ((src + topo.nics_per_node) % nics).astype(np.int32)
+    wire = msg_bytes + (-(-msg_bytes // 4096)) * 82 + 20
+    dur = int(np.ceil(wire * 8 / topo.nic_rate_bps * 1e9))
+    start = (np.arange(n) // nics).astype(np.int64) * dur
+    m = {c: np.zeros(n, dtype=tables.numpy_dtype("messages", c)) for c in tables.column_names("messages")}
+    m["msg_id"] = np.arange(n, dtype=np.int64)
+    m["src_nic"], m["dst_nic"] = src, dst
+    m["link"] = np.full(n, "network", dtype=object)
+    m["kind"] = np.full(n, "data", dtype=object)
+    m["bytes"][:] = msg_bytes
+    m["wire_bytes"][:] = msg_bytes
+    m["verb"] = np.full(n, "", dtype=object)
+    m["qpn"][:] = -1
+    m["udp_sport"][:] = -1
+    m["t_start_ns"] = start
+    m["t_end_ns"] = start + dur + topo.latency_ns
+    return m
+
+
+def one_write(path: Path, data: np.ndarray) -> float:
+    """Seconds to write ``data`` to a new file with one write() call (looping on short writes)."""
+    if path.exists():
+        path.unlink()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    mv = memoryview(data)
+    off = 0
+    while off < len(mv):
+        off += os.write(fd, mv[off:])
+    os.close(fd)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return dt
+
+
+def run_wiretrace(path: Path, plan, topo, messages, snaplen: int) -> tuple[float, dict]:
+    if path.exists():
+        path.unlink()
+    t0 = time.perf_counter()
+    stats = write_capture(path, packetize(messages, topo, plan), topo, plan, snaplen=snaplen)
+    return time.perf_counter() - t0, stats
+
+
+def dpkt_sample(path: Path, count: int) -> float:
+    """Packets per second of dpkt's pcap Writer writing prebuilt frames (nanosecond pcap)."""
+    import dpkt
+
+    frames, stamps = [], []
+    with open(path, "rb") as fh:
+        for ts, buf in dpkt.pcap.Reader(fh):
+            frames.append(bytes(buf))
+            stamps.append(float(ts))
+            if len(frames) >= count:
+                break
+    out = path.with_name("dpkt.pcap")
+    t0 = time.perf_counter()
+    with open(out, "wb") as fh:
+        w = dpkt.pcap.Writer(fh, snaplen=HEADERS_SNAPLEN, nano=True)
+        for ts, buf in zip(stamps, frames):
+            w.writepkt(buf, ts)
+    dt = time.perf_counter() - t0
+    out.unlink()
+    return len(frames) / dt
+
+
+def scapy_sample(count: int) -> float:
+    """Packets per second of scapy building RoCEv2 RDMA WRITE frames (headers + 4 KiB payload)."""
+    from scapy.contrib.roce import BTH
+    from scapy.layers.inet import IP, UDP
+    from scapy.layers.l2 import Ether
+    from scapy.packet import Raw
+
+    payload = bytes(range(256)) * 16
+    t0 = time.perf_counter()
+    for i in range(count):
+        pkt = (Ether(src="02:00:00:00:00:00", dst="02:00:00:00:01:00")
+               / IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6A, flags="DF", id=i & 0xFFFF)
+               / UDP(sport=49672, dport=4791, chksum=0)
+               / BTH(opcode=0x07, migreq=1, dqpn=0x101, psn=i)
+               / Raw(payload))
+        bytes(pkt)
+    return count / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--packets", type=int, default=10_000_000, help="headers-only packets (default 10M)")
+    ap.add_argument("--whole-packets", type=int, default=200_000, help="whole-frame packets (default 200k)")
+    ap.add_argument("--dir", default=None, help="directory for the captures (default: a temporary one)")
+    ap.add_argument("--rss-only", action="store_true",
+                    help="only the headers-only run (no baselines): for the 100M-packet memory check")
+    ap.add_argument("--dpkt-sample", type=int, default=200_000)
+    ap.add_argument("--scapy-sample", type=int, default=2_000)
+    args = ap.parse_args(argv)
+
+    plan, topo = make_setup()
+    tmpdir = tempfile.TemporaryDirectory(prefix="wiretrace-bench-", dir=args.dir)
+    d = Path(tmpdir.name)
+    rows = []
+
+    msgs = make_messages(plan, topo, args.packets)
+    cap = d / "headers.pcap"
+    t, st = run_wiretrace(cap, plan, topo, msgs, HEADERS_SNAPLEN)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    n = st["packets"]
+    rows.append(("wiretrace headers-only (snaplen 70)", n, st["bytes"], t))
+    print(f"headers-only: {n:,} packets, {st['bytes'] / 1e6:,.0f} MB in {t:.2f} s = {n / t / 1e6:.2f} Mpps; "
+          f"peak RSS {rss:,.0f} MiB", flush=True)
+    if args.rss_only:
+        tmpdir.cleanup()
+        return 0
+    del msgs
+    data = np.fromfile(cap, dtype=np.uint8)
+    t_w = one_write(d / "copy.bin", data)
+    rows.append(("one write() of the same bytes", n, len(data), t_w))
+    del data
+    dpkt_pps = dpkt_sample(cap, args.dpkt_sample)
+    cap.unlink()
+
+    msgs = make_messages(plan, topo, args.whole_packets)
+    cap = d / "whole.pcap"
+    tw, stw = run_wiretrace(cap, plan, topo, msgs, 0)
+    rows.append(("wiretrace whole frames", stw["packets"], stw["bytes"], tw))
+    data = np.fromfile(cap, dtype=np.uint8)
+    tww = one_write(d / "copy.bin", data)
+    rows.append(("one write() of the same bytes", stw["packets"], len(data), tww))
+    del data
+    cap.unlink()
+    scapy_pps = scapy_sample(args.scapy_sample)
+    tmpdir.cleanup()
+
+    print()
+    print("| run | packets | bytes | seconds | Mpps | GB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, pk, by, sec in rows:
+        print(f"| {name} | {pk:,} | {by:,} | {sec:.3f} | {pk / sec / 1e6:.2f} | {by / sec / 1e9:.2f} |")
+    ours = n / t
+    print()
+    print(f"headers-only: wiretrace / one write() time = {t / t_w:.2f}x (target <= 1.25x); {ours / 1e6:.2f} Mpps "
+          f"(target >= 10)")
+    print(f"whole frames: wiretrace / one write() time = {tw / tww:.2f}x (target <= 1.25x)")
+    print(f"dpkt pcap Writer from prebuilt bytes: {dpkt_pps / 1e6:.3f} Mpps -> wiretrace is {ours / dpkt_pps:.1f}x faster")
+    print(f"scapy building frames: {scapy_pps / 1e3:.1f} kpps -> wiretrace is {ours / scapy_pps:,.0f}x faster")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
