@@ -58,7 +58,7 @@ def _top_keys(s: Summary, direction: int) -> list[int]:
 
 def throughput(s: Summary, phase_spans=None) -> plt.Figure:
     """Bits per second sent by each NIC in the timeline's bins (at most 16 NICs, the busiest)."""
-    fig, ax = plt.subplots(figsize=(11, 4.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
     tl = s.timeline
     nb = tl.bins.shape[1]
     span = (s.last_ns - s.first_ns) if s.last_ns is not None else 0
@@ -86,7 +86,7 @@ def throughput(s: Summary, phase_spans=None) -> plt.Figure:
     ax.set_title("Bits on the wire per NIC (sent)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=4, loc="upper right")
+        ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
     fig.tight_layout()
     return fig
 
