@@ -17,6 +17,7 @@ import zlib
 from pathlib import Path
 
 import dpkt
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from scapy.contrib.roce import BTH
@@ -560,3 +561,60 @@ def test_packets_table_columns(tmp_path):
     assert p["msg_id"].tolist() == [-1] * 18 and p["src_nic"].tolist() == [-1] * 18
     assert p["opcode"].tolist() == GOOD_FIELDS["opcode"]
     assert p["payload_len"].tolist() == GOOD_FIELDS["payload_len"]
+
+
+# -- captures written by `wiretrace generate` ----------------------------------------------------
+
+SAMPLE_PLAN = Path(__file__).resolve().parents[1] / "samples" / "plans" / "gpt2-small-2x4.json"
+
+
+def generate(*args):
+    res = CliRunner().invoke(main, ["generate", *map(str, args), "--quiet"])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+@pytest.fixture(scope="module")
+def demo_capture(tmp_path_factory) -> Path:
+    """The demo iteration, headers only (the default snap length), with its Parquet tables."""
+    out = tmp_path_factory.mktemp("demo") / "iter.pcap"
+    generate("--plan", SAMPLE_PLAN, "-o", out)
+    return out
+
+
+def test_generated_capture_validates_and_parses_to_its_packets_table(demo_capture):
+    import pyarrow.parquet as pq
+    from wiretrace.transport.parse import as_packets
+
+    table = pq.read_table(demo_capture.with_suffix(".parquet") / "packets.parquet").to_pydict()
+    rep = validate_capture(demo_capture)
+    assert rep.ok, rep.as_dict()
+    assert rep.frames == rep.roce_frames == len(table["ts_ns"])
+    assert rep.checked["psn"] > 0 and rep.checked["reth_length"] > 0 and rep.checked["ack_msn"] > 0
+    parsed = as_packets(read_packets(demo_capture))
+    for name in ("ts_ns", "udp_sport", "dest_qp", "psn", "opcode", "ack_req", "payload_len", "pad",
+                 "frame_len", "dscp", "ecn"):
+        assert parsed[name].tolist() == table[name], name
+
+
+@pytest.mark.parametrize("transport,suffix", [
+    ({}, "pcapng"),
+    ({"ip_version": 6, "vlan": 100, "pcp": 3, "initial_psn": 16777200}, "pcap"),
+    ({"kind": "ib"}, "erf"),
+])
+def test_generated_whole_frames_validate(tmp_path, demo_capture, transport, suffix):
+    import pyarrow.parquet as pq
+
+    ts = np.sort(pq.read_table(demo_capture.with_suffix(".parquet") / "packets.parquet")
+                 .column("ts_ns").to_numpy())
+    plan = json.loads(SAMPLE_PLAN.read_text())
+    plan["transport"].update(transport)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = tmp_path / f"w.{suffix}"
+    generate("--plan", plan_path, "-o", out, "--snaplen", "0", "--no-parquet",
+             "--window", f"0:{int(ts[2000])}")
+    rep = validate_capture(out)
+    assert rep.ok, rep.as_dict()
+    assert rep.frames >= 1000 and rep.checked["icrc"] == rep.frames and rep.truncated == 0
+    assert rep.checked["vcrc"] == (rep.frames if transport.get("kind") == "ib" else 0)
