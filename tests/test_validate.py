@@ -437,14 +437,15 @@ DGID = bytes.fromhex("fe800000000000000002c90300002222")
 
 
 def ib_frame(opcode, psn, dqpn, payload=b"", ext=b"", dlid=3, slid=7, vl=0, sl=2,
-             grh=False) -> bytes:
+             grh=False, paylen_error=0) -> bytes:
     """LRH (LNH 2, or 3 with a GRH) + BTH + ext + payload + pad + ICRC + VCRC (IBTA layout)."""
     pad = -len(payload) & 3
     body = struct.pack(">BBHI", opcode, 0x40 | (pad << 4), 0xFFFF, dqpn)
     body += struct.pack(">I", psn) + ext + payload + bytes(pad)
     g = b""
     if grh:  # IPVer 6, TClass 0x0a, FlowLabel 0x12345, PayLen, NxtHdr 0x1B, HopLmt 9
-        g = struct.pack(">IHBB", (6 << 28) | (0x0A << 20) | 0x12345, len(body) + 4, 0x1B, 9)
+        g = struct.pack(">IHBB", (6 << 28) | (0x0A << 20) | 0x12345,
+                        len(body) + 4 + paylen_error, 0x1B, 9)
         g += SGID + DGID
     words = (8 + len(g) + len(body) + 4) // 4
     lrh = struct.pack(">BBHHH", (vl << 4), (sl << 4) | (3 if grh else 2), dlid, words, slid)
@@ -542,6 +543,11 @@ def test_native_ib_with_grh(tmp_path):
     g[6:8] = b"\x00\x64"  # SLID 0x64
     rep = validate_capture(erf_file(tmp_path / "grh2.erf", [bytes(g), bytes(f)]))
     assert sorted(v.frame for v in only(rep, "vcrc", 2)) == [1, 2]
+    # a GRH PayLen that disagrees with the LRH PktLen (CRCs recomputed over the wrong value)
+    rep = validate_capture(erf_file(tmp_path / "grh3.erf",
+                                    [ib_frame(0x04, 1, 0x77, data(100), grh=True, paylen_error=4)]))
+    (v,) = only(rep, "length")
+    assert v.message == "GRH PayLen 120 but the LRH PktLen leaves 116 bytes after the GRH"
     shown = subprocess.run([tshark(), "-r", str(path), "-T", "fields", "-e", "infiniband.grh.sgid",
                             "-e", "infiniband.grh.dgid", "-e", "infiniband.bth.psn"],
                            capture_output=True, text=True, check=True).stdout.split()

@@ -71,7 +71,7 @@ COLUMNS = {
     "dscp": (np.uint8, 0), "ecn": (np.uint8, 0),
     "udp_sport": (np.int32, -1), "udp_len": (np.int32, -1), "udp_checksum": (np.int32, -1),
     "vl": (np.int8, -1), "sl": (np.int8, -1), "slid": (np.int32, -1), "dlid": (np.int32, -1),
-    "lrh_pktlen": (np.int32, -1),
+    "lrh_pktlen": (np.int32, -1), "grh_paylen": (np.int32, -1),
     "opcode": (np.uint8, 0), "se": (np.bool_, False), "migreq": (np.bool_, False),
     "pad": (np.uint8, 0), "tver": (np.uint8, 0), "pkey": (np.int32, -1),
     "fecn": (np.bool_, False), "becn": (np.bool_, False),
@@ -89,7 +89,8 @@ Meaning: ``row`` index of the frame in its batch, ``frame`` Wireshark frame numb
 ``kind`` see ``KIND_*``; ``l3_offset``/``bth_offset`` byte offset of the IP header (RoCEv2) or
 LRH (IB, 0) and of the BTH in the frame; ``src_addr``/``dst_addr`` (n, 16) uint8: IPv6 addresses,
 IPv4 as IPv4-mapped ``::ffff:a.b.c.d``, GRH GIDs for IB (zeros without GRH); ``ip_len`` bytes
-from the IP header (or LRH) through the ICRC; ``ip_checksum`` the stored IPv4 header checksum;
+from the IP header (or LRH) through the ICRC; ``lrh_pktlen`` the LRH PktLen (4-byte words) and
+``grh_paylen`` the GRH PayLen (bytes) of native IB frames; ``ip_checksum`` the stored IPv4 header checksum;
 ``payload_len`` IB payload bytes (after BTH and extension headers, before pad and ICRC);
 ``frame_len`` bytes of the frame on the wire from the Ethernet header (or LRH) through the ICRC
 (and VCRC), without FCS, from the length fields (frames captured without an Ethernet header count
@@ -264,6 +265,7 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
     slid = np.full(n, -1, dtype=np.int64)
     dlid = np.full(n, -1, dtype=np.int64)
     pktlen = np.full(n, -1, dtype=np.int64)
+    paylen = np.full(n, -1, dtype=np.int64)
     rib = np.nonzero((lt == LINKTYPE_INFINIBAND) & (cap >= H.LRH.length))[0]
     if len(rib):
         lrh = H.LRH.parse(rows[rib], 0)
@@ -278,6 +280,7 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
             rg = rg[iba]
             src[rg], dst[rg] = grh["sgid"][iba], grh["dgid"][iba]
             ttl[rg] = grh["hoplmt"][iba]
+            paylen[rg] = grh["paylen"][iba]
         keep = local | glob
         rib, lrh = rib[keep], {k: v[keep] for k, v in lrh.items()}
         local = local[keep]
@@ -320,7 +323,7 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
     out["udp_len"][:] = udp_len[keep]
     out["udp_checksum"][:] = udp_sum[keep]
     for name, arr in (("vl", vl), ("sl", sl), ("slid", slid), ("dlid", dlid),
-                      ("lrh_pktlen", pktlen)):
+                      ("lrh_pktlen", pktlen), ("grh_paylen", paylen)):
         out[name][:] = arr[keep]
 
     b = bth[keep]

@@ -338,8 +338,12 @@ def _check_lengths(batch, cols, rep: Report) -> None:
     bad = np.nonzero(~ok & (flen >= 0))[0]
     problems.append((bad, (f"frame is {int(orig[i])} bytes on the wire, its headers say "
                            f"{int(flen[i])}" for i in bad)))
-    # IB: GRH payload length against the LRH packet length is not checked by tshark either;
-    # the LRH packet length must cover its own headers.
+    # IB: the GRH PayLen counts the bytes after the GRH through the ICRC (IBTA 8.3.3)
+    grh = kind == KIND_IB_GRH
+    want = cols["lrh_pktlen"].astype(np.int64) * 4 - H.LRH.length - H.GRH.length
+    bad = np.nonzero(grh & (cols["grh_paylen"] != want))[0]
+    problems.append((bad, (f"GRH PayLen {int(cols['grh_paylen'][i])} but the LRH PktLen leaves "
+                           f"{int(want[i])} bytes after the GRH" for i in bad)))
     op = cols["opcode"].astype(np.int64)
     pl = cols["payload_len"].astype(np.int64)
     bad = np.nonzero(has & (pl < 0))[0]
