@@ -51,12 +51,19 @@ class Pcap(Format):
     def finish_records(self, slots, chunk, caplen, origlen) -> np.ndarray:
         n = len(caplen)
         ts = np.asarray(chunk["ts_ns"], dtype=np.int64)
-        hdr = np.empty(n, dtype=RECORD)
-        hdr["ts_sec"] = ts // 1_000_000_000
-        hdr["ts_nsec"] = ts % 1_000_000_000
-        hdr["incl_len"] = caplen + self.erf_len
-        hdr["orig_len"] = origlen + self.erf_len
-        slots[:, :RECORD.itemsize] = hdr.view(np.uint8).reshape(n, RECORD.itemsize)
+        # the record header as two little-endian 64-bit words per row: (seconds, nanoseconds)
+        # and (captured length, original length)
+        sec, nsec = np.divmod(ts, 1_000_000_000)
+        w0 = sec.astype(np.uint64) | (nsec.astype(np.uint64) << np.uint64(32))
+        w1 = (caplen + self.erf_len).astype(np.uint64) | ((origlen + self.erf_len).astype(np.uint64) << np.uint64(32))
+        if slots.strides[-1] == 1:
+            slots[:, 0:8].view("<u8")[:, 0] = w0
+            slots[:, 8:16].view("<u8")[:, 0] = w1
+        else:
+            hdr = np.empty(n, dtype=RECORD)
+            hdr["ts_sec"], hdr["ts_nsec"] = sec, nsec
+            hdr["incl_len"], hdr["orig_len"] = caplen + self.erf_len, origlen + self.erf_len
+            slots[:, :RECORD.itemsize] = hdr.view(np.uint8).reshape(n, RECORD.itemsize)
         if self.ib:
             slots[:, RECORD.itemsize:self.prefix] = _erf.headers(ts, caplen, origlen, _erf.TYPE_INFINIBAND, 0)
         return caplen + self.prefix

@@ -122,6 +122,7 @@ class Header:
         self.by_name = {f.name: f for f in out}
         self.length = off // 8
         self._template_cache: dict = {}
+        self._plans: dict = {}
 
     def __repr__(self) -> str:
         return f"Header({self.name!r}, {self.length} bytes)"
@@ -201,59 +202,94 @@ class Header:
             out = np.empty((n, self.length), dtype=np.uint8)
         elif out.shape != (n, self.length):
             raise ValueError(f"{self.name}: out has shape {out.shape}, expected {(n, self.length)}")
-        covered = np.zeros(self.length, dtype=bool)     # bytes fully written from array fields
-        for name in arrays:
-            f = self.by_name[name]
-            covered[f.first_byte:f.last_byte + 1] = True
-        b = 0
-        while b < self.length:                           # template bytes, in runs
-            if covered[b]:
-                b += 1
-                continue
-            e = b
-            while e < self.length and not covered[e]:
-                e += 1
-            out[:, b:e] = tmpl[b:e]
-            b = e
-        byte_or: dict[int, np.ndarray] = {}
         for name, v in arrays.items():
             f = self.by_name[name]
             if v.ndim == 2:
                 if not f.byte_aligned or v.shape != (n, f.bits // 8):
                     raise ValueError(f"{self.name}.{name}: expected shape {(n, f.bits // 8)}, got {v.shape}")
-                out[:, f.first_byte:f.last_byte + 1] = v
-                continue
-            if v.shape != (n,):
+            elif v.shape != (n,):
                 raise ValueError(f"{self.name}.{name}: expected shape {(n,)}, got {v.shape}")
-            if f.bits > 64:
+            elif f.bits > 64:
                 raise ValueError(f"{self.name}.{name}: a {f.bits}-bit field needs (n, {f.bits // 8}) uint8 rows")
-            if f.byte_aligned:
-                k = f.bits // 8
-                if k == 1:
-                    out[:, f.first_byte] = v
-                else:
-                    out[:, f.first_byte:f.first_byte + k] = _big_endian_bytes(v, k)
+        if n == 0:
+            return out
+        plan = self._word_plan(tuple(k for k, v in arrays.items() if v.ndim == 1),
+                               tuple(k for k, v in arrays.items() if v.ndim == 2))
+        wide = out if out.strides[-1] == 1 else None
+        as64: dict[str, np.ndarray] = {}
+        for start, size, parts in plan:
+            if size == 0:                       # a byte field given as (n, k) rows: copy it
+                out[:, start:start + parts[1]] = arrays[parts[0]]
                 continue
-            end = f.offset + f.bits
-            if f.first_byte == f.last_byte:
-                # a field inside one byte: shift in uint8, OR with its neighbours once per byte
-                shift = 8 * (f.first_byte + 1) - end
-                part = (v.astype(np.uint8, copy=False) & np.uint8((1 << f.bits) - 1)) << np.uint8(shift)
-                b = f.first_byte
-                byte_or[b] = part if b not in byte_or else (byte_or[b] | part)
-                continue
-            # a field across bytes: OR its bits into each byte it spans
-            w = v.astype(np.uint64, copy=False) & np.uint64((1 << f.bits) - 1)
-            for b in range(f.first_byte, f.last_byte + 1):
-                shift = end - 8 * (b + 1)
-                lo, hi = max(f.offset, 8 * b), min(end, 8 * (b + 1))
-                mask = ((1 << (hi - lo)) - 1) << (8 * (b + 1) - hi)
-                part = (w >> np.uint64(shift)) if shift >= 0 else (w << np.uint64(-shift))
-                part = (part & np.uint64(mask)).astype(np.uint8)
-                byte_or[b] = part if b not in byte_or else (byte_or[b] | part)
-        for b, part in byte_or.items():
-            out[:, b] = part | tmpl[b] if tmpl[b] else part
+            const = int.from_bytes(tmpl[start:start + size].tobytes(), "big")
+            acc = None
+            for name, sr, mask, sl, exact in parts:
+                v = as64.get(name)
+                if v is None:
+                    v = as64[name] = np.asarray(arrays[name]).astype(np.uint64, copy=False)
+                c = v >> np.uint64(sr) if sr else v
+                if not exact:
+                    c = c & np.uint64(mask)
+                if sl:
+                    c = c << np.uint64(sl)
+                acc = c if acc is None else (acc | c)
+            if acc is not None and const:
+                acc = acc | np.uint64(const)
+            value = const if acc is None else acc
+            if size == 1:
+                out[:, start] = value if acc is None else value.astype(np.uint8)
+            elif wide is not None:
+                out[:, start:start + size].view(f">u{size}")[:, 0] = value
+            else:
+                out[:, start:start + size] = _big_endian_bytes(np.broadcast_to(np.uint64(value), (n,))
+                                                               if acc is None else value, size)
         return out
+
+    def _word_plan(self, ints: tuple, rows: tuple) -> list:
+        """How :meth:`pack` writes: big-endian words (8, 4, 2 or 1 bytes) covering the header,
+        each with the (shift right, mask, shift left) of every array field bit range inside it;
+        ``size == 0`` entries copy a field given as byte rows."""
+        key = (ints, rows)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        plan = []
+        skip = {}
+        for name in rows:
+            f = self.by_name[name]
+            skip[f.first_byte] = (name, f.bits // 8)
+        b = 0
+        runs = []
+        while b < self.length:
+            if b in skip:
+                plan.append((b, 0, skip[b]))
+                b += skip[b][1]
+                continue
+            e = b
+            while e < self.length and e not in skip:
+                e += 1
+            runs.append((b, e))
+            b = e
+        for b, e in runs:
+            while b < e:
+                size = next(s for s in (8, 4, 2, 1) if b + s <= e)
+                w0, w1 = 8 * b, 8 * (b + size)
+                parts = []
+                for name in ints:
+                    f = self.by_name[name]
+                    f0, f1 = f.offset, f.offset + f.bits
+                    lo, hi = max(w0, f0), min(w1, f1)
+                    if lo >= hi:
+                        continue
+                    ln = hi - lo
+                    sr, sl = f1 - hi, w1 - hi
+                    # exact: the whole field lies in this word and nothing else is in its dtype
+                    exact = (f0 >= w0 and f1 <= w1 and f.bits in (8, 16, 32, 64))
+                    parts.append((name, sr, (1 << ln) - 1, sl, exact))
+                plan.append((b, size, parts))
+                b += size
+        self._plans[key] = plan
+        return plan
 
     # -- reading ------------------------------------------------------------------------------
     def parse(self, buf: np.ndarray, offset: int | np.ndarray = 0,

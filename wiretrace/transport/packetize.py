@@ -96,8 +96,8 @@ _DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic"
            "udp_sport": np.int32, "dest_qp": np.int32, "psn": np.int32, "opcode": np.uint8,
            "ack_req": np.bool_, "payload_len": np.int32, "pad": np.uint8, "frame_len": np.int32,
            "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32,
-           # internal: frame kind, QPN of the frame's sender, wire time (ns)
-           "_kind": np.uint8, "_src_qpn": np.int32, "_wire_ns": np.int64}
+           # internal: frame kind, QPN of the frame's sender
+           "_kind": np.uint8, "_src_qpn": np.int32}
 
 
 def _empty() -> dict[str, np.ndarray]:
@@ -161,6 +161,8 @@ class _Messages:
         is_cts = _str_col(m["kind"]) == "cts"
         qp_on_src = np.where(is_cts, qps["receiver_qpn"], qps["sender_qpn"])
         self.qp_src, self.qp_dst = qp_on_src, qp_on_dst
+        self.src32, self.dst32 = self.src.astype(np.int32), self.dst.astype(np.int32)
+        self.qp_src32, self.qp_dst32 = qp_on_src.astype(np.int32), qp_on_dst.astype(np.int32)
         req_nic = np.where(self.is_read, self.dst, self.src)
         req_qpn = np.where(self.is_read, qp_on_dst, qp_on_src)
 
@@ -224,50 +226,72 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
     npk = M.npk[sl]
     m = hi - lo
     total = int(npk.sum())
-    mi = np.repeat(np.arange(m), npk)                       # message of each data packet
-    starts = np.cumsum(npk) - npk
-    k = np.arange(total, dtype=np.int64) - np.repeat(starts, npk)
-    last = k == np.repeat(npk - 1, npk)
-    g = lo + mi                                              # global message index
-    mtu = M.mtu
-    b = M.bytes[g]
-    payload = np.where(last, b - k * mtu, mtu).astype(np.int64)
-    pad = (-payload) & 3
-    pos = np.where(npk[mi] == 1, _POS_ONLY, np.where(k == 0, _POS_FIRST, np.where(last, _POS_LAST, _POS_MIDDLE)))
-    opcode = OPCODE_TABLE[M.verb[g], pos]
-    grh_len = M.grh_len[g]
-    flen = (M.base + H.EXT_LEN[opcode].astype(np.int64) + payload + pad + grh_len)
+    starts = np.cumsum(npk) - npk                           # first packet of each message
+    ends = starts + npk - 1                                 # last packet of each message
 
-    # times: spread over [t_start, t_end - latency] in proportion to wire bytes
-    wbytes = flen + M.wire_extra
-    cum = np.cumsum(wbytes)
-    msg_total = cum[starts + npk - 1] - np.r_[0, cum[starts[1:] - 1]] if m else np.zeros(0, np.int64)
-    before = cum - wbytes - np.repeat(cum[starts] - wbytes[starts], npk)
+    def rep(a):
+        return np.repeat(a[sl], npk)
+
+    k = np.arange(total, dtype=np.int64) - np.repeat(starts, npk)
+    last = np.zeros(total, dtype=bool)
+    last[ends] = True
+    mtu = M.mtu
+    b = M.bytes[sl]
+    last_pay = b - (npk - 1) * mtu
+    payload = np.full(total, mtu, dtype=np.int32)
+    payload[ends] = last_pay
+    pad = np.zeros(total, dtype=np.uint8)
+    pad[ends] = (-last_pay) & 3
+    verb = M.verb[sl]
+    one = npk == 1
+    opcode = np.repeat(OPCODE_TABLE[verb, _POS_MIDDLE], npk)
+    opcode[ends] = OPCODE_TABLE[verb, _POS_LAST]
+    opcode[starts] = np.where(one, OPCODE_TABLE[verb, _POS_ONLY], OPCODE_TABLE[verb, _POS_FIRST])
+    ext = H.EXT_LEN.astype(np.int64)
+    fixed = M.base + M.grh_len[sl]                          # headers and trailer without ext
+    f_first = fixed + ext[opcode[starts]] + np.where(one, last_pay + ((-last_pay) & 3), mtu)
+    f_mid = fixed + ext[OPCODE_TABLE[verb, _POS_MIDDLE]] + mtu
+    f_last = fixed + ext[opcode[ends]] + last_pay + ((-last_pay) & 3)
+    flen = np.repeat(f_mid.astype(np.int32), npk)
+    flen[ends] = f_last
+    flen[starts] = f_first
+
+    # times: spread over [t_start, t_end - latency] in proportion to wire bytes; the wire bytes
+    # before packet k are k middle packets, corrected for the first one
+    x = M.wire_extra
+    w_first, w_mid = f_first + x, f_mid + x
+    msg_total = np.where(one, w_first, w_first + (npk - 2) * w_mid + f_last + x)
     span = M.t_end[sl] - M.latency - M.t_start[sl]
     own = np.ceil(msg_total * 8 / M.rate * 1e9).astype(np.int64)
     span = np.where(span > 0, span, own)
-    ts = M.t_start[g] + (span[mi] * before) // np.maximum(msg_total[mi], 1)
+    before = k * np.repeat(w_mid, npk) + np.where(k > 0, np.repeat(w_first - w_mid, npk), 0)
+    ts = rep(M.t_start) + (np.repeat(span, npk) * before) // np.repeat(np.maximum(msg_total, 1), npk)
 
-    psn = (M.psn0[g] + k) % PSN_MOD
-    is_read = M.is_read[g]
+    psn = (rep(M.psn0) + k) & (PSN_MOD - 1)
+    is_read = M.is_read[sl]
     if M.policy == "every":
         N = M.policy_arg
-        ack_req = (((M.psn_off[g] + k + 1) % N) == 0) | last
+        ack_req = (((rep(M.psn_off) + k + 1) % N) == 0) | last
     else:
-        ack_req = last
-    ack_req = ack_req & ~is_read
-    dma = np.where(HAS_RETH[opcode], b, -1)
-    msn = np.where(HAS_AETH[opcode], np.where(last, M.msn[g], (M.msn[g] - 1) % PSN_MOD), -1)
-    dscp = np.full(total, M.dscp, dtype=np.uint8)
-    ecn = np.full(total, M.ecn, dtype=np.uint8)
+        ack_req = last.copy()
+    if is_read.any():
+        ack_req &= ~np.repeat(is_read, npk)
+    dma = np.full(total, -1, dtype=np.int64)
+    has_reth = HAS_RETH[opcode[starts]]
+    dma[starts[has_reth]] = b[has_reth]
+    msn = np.full(total, -1, dtype=np.int32)
+    if is_read.any():
+        mm = M.msn[sl]
+        f_aeth = HAS_AETH[opcode[starts]]
+        l_aeth = HAS_AETH[opcode[ends]]
+        msn[starts[f_aeth]] = np.where(one, mm, (mm - 1) % PSN_MOD)[f_aeth]
+        msn[ends[l_aeth]] = mm[l_aeth]
     data = {
-        "ts_ns": ts, "msg_id": M.msg_id[g], "src_nic": M.src[g].astype(np.int32),
-        "dst_nic": M.dst[g].astype(np.int32), "udp_sport": M.udp_sport[g],
-        "dest_qp": M.qp_dst[g].astype(np.int32), "psn": psn.astype(np.int32), "opcode": opcode,
-        "ack_req": ack_req, "payload_len": payload.astype(np.int32), "pad": pad.astype(np.uint8),
-        "frame_len": flen.astype(np.int32), "dscp": dscp, "ecn": ecn, "dma_len": dma,
-        "msn": msn.astype(np.int32), "_kind": np.full(total, K_DATA, np.uint8),
-        "_src_qpn": M.qp_src[g].astype(np.int32), "_wire_ns": M.wire_ns(flen),
+        "ts_ns": ts, "msg_id": rep(M.msg_id), "src_nic": rep(M.src32), "dst_nic": rep(M.dst32),
+        "udp_sport": rep(M.udp_sport), "dest_qp": rep(M.qp_dst32), "psn": psn.astype(np.int32),
+        "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
+        "dscp": np.full(total, M.dscp, dtype=np.uint8), "ecn": np.full(total, M.ecn, dtype=np.uint8),
+        "dma_len": dma, "msn": msn, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
     }
     parts = [data]
 
@@ -287,14 +311,13 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "dscp": np.full(len(gr), M.dscp, np.uint8), "ecn": np.full(len(gr), M.ecn, np.uint8),
             "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32),
             "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
-            "_wire_ns": wns,
         })
 
     # ACKs
     if M.policy == "every":
         a = np.nonzero(ack_req)[0]
-        a_ts = ts[a] + data["_wire_ns"][a] + M.latency
-        a_g = g[a]
+        a_ts = ts[a] + M.wire_ns(flen[a]) + M.latency
+        a_g = lo + np.searchsorted(starts, a, side="right") - 1
         a_psn = psn[a]
         a_msn = np.where(last[a], M.msn[a_g], (M.msn[a_g] - 1) % PSN_MOD)
     else:
@@ -316,7 +339,6 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "dscp": np.full(na, M.dscp, np.uint8), "ecn": np.full(na, M.ecn, np.uint8),
             "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
-            "_wire_ns": M.wire_ns(fl),
         })
     return _concat(parts)
 
@@ -389,7 +411,7 @@ class _Marker:
         return out
 
     def _cnps(self, p: dict, rows: np.ndarray) -> dict | None:
-        ts = p["ts_ns"][rows] + p["_wire_ns"][rows] + self.latency
+        ts = p["ts_ns"][rows] + self.wire_ns(p["frame_len"][rows]) + self.latency
         nic = p["dst_nic"][rows].astype(np.int64)
         qpn = p["_src_qpn"][rows].astype(np.int64)
         key = nic * (1 << 24) + qpn
@@ -419,14 +441,31 @@ class _Marker:
             "frame_len": fl.astype(np.int32), "dscp": np.full(n, CNP_DSCP, np.uint8),
             "ecn": np.full(n, CNP_ECN, np.uint8), "dma_len": np.full(n, -1, np.int64),
             "msn": np.full(n, -1, np.int32), "_kind": np.full(n, K_CNP, np.uint8),
-            "_src_qpn": p["dest_qp"][r], "_wire_ns": self.wire_ns(fl),
+            "_src_qpn": p["dest_qp"][r],
         }
 
 
+def _order(p: dict) -> np.ndarray:
+    """Row order by time, ties broken by (kind, sender NIC, PSN) so that the output does not
+    depend on how messages were cut into expansion steps."""
+    ts = p["ts_ns"]
+    o = np.argsort(ts, kind="stable")
+    t = ts[o]
+    tie = t[1:] == t[:-1]
+    if tie.any():
+        mask = np.zeros(len(t), dtype=bool)
+        mask[1:] |= tie
+        mask[:-1] |= tie
+        pos = np.nonzero(mask)[0]
+        rows = o[pos]
+        key = ((p["_kind"][rows].astype(np.int64) << 46) | (p["src_nic"][rows].astype(np.int64) << 24)
+               | p["psn"][rows].astype(np.int64))
+        o[pos] = rows[np.lexsort((key, ts[rows]))]
+    return o
+
+
 def _sorted(p: dict) -> dict:
-    # time, then a fixed tie order (kind, sender, PSN) so that output does not depend on chunking
-    o = np.lexsort((p["psn"], p["src_nic"], p["_kind"], p["ts_ns"]))
-    return _take(p, o)
+    return _take(p, _order(p))
 
 
 def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1 << 17
@@ -478,14 +517,11 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
         pool = _concat([pending, new])
         boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
         lo = hi
-        if boundary is None:
-            out, pending = pool, _empty()
-        else:
-            now = pool["ts_ns"] < boundary
-            out, pending = _take(pool, now), _take(pool, ~now)
+        o = _order(pool)
+        cut = len(o) if boundary is None else int(np.searchsorted(pool["ts_ns"][o], boundary, side="left"))
+        out, pending = _take(pool, o[:cut]), _take(pool, o[cut:])
         if not len(out["ts_ns"]):
             continue
-        out = _sorted(out)
         cnp = marker.mark(out) if marker.on else None
         if cnp is not None:
             # CNPs answer packets of this batch; the early ones join it, the rest wait
