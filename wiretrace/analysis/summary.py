@@ -232,7 +232,6 @@ class Summary:
         self.message_sizes = Distribution()
         self.message_source = None
         self.timeline = _Timeline()
-        self.phase_timeline = _Timeline() if "phase" in self.labels else None
         self.out_of_order = 0
 
     # -- input -------------------------------------------------------------------------------
@@ -249,8 +248,11 @@ class Summary:
         wlen = np.asarray(batch.get("wire_len", flen), dtype=np.int64)
         plen = np.asarray(batch["payload_len"], dtype=np.int64)
         op = np.asarray(batch["opcode"], dtype=np.uint8)
+        # packets stamped earlier than one before them in the input (merged or reordered captures)
+        running = np.maximum.accumulate(ts)
         if self.last_ns is not None:
-            self.out_of_order += int((ts < self.last_ns).sum())
+            running = np.maximum(running, self.last_ns)
+        self.out_of_order += int((ts[1:] < running[:-1]).sum()) + int(self.last_ns is not None and ts[0] < self.last_ns)
         self.packets += n
         self.bytes += int(flen.sum())
         self.wire_bytes += int(wlen.sum())
@@ -285,8 +287,6 @@ class Summary:
             code = np.where(code < 0, len(acc["packets"]) - 1, code)   # last slot: unknown
             acc["packets"] += np.bincount(code, minlength=len(acc["packets"]))
             acc["bytes"] += np.bincount(code, weights=flen, minlength=len(acc["bytes"])).astype(np.int64)
-            if g == "phase" and self.phase_timeline is not None:
-                self.phase_timeline.add(ts, code, flen)
 
         # flows and messages
         fid = self.flows.ids(src, dst, np.asarray(batch["udp_sport"]), np.asarray(batch["dest_qp"]))
