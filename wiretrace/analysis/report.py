@@ -56,8 +56,9 @@ def fmt_num(x, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}g}"
 
 
-def tables(doc: dict, top_flows: int = 20) -> list[tuple[str, list[str], list[list[str]]]]:
-    """The summary as (title, header, rows) tables, shared by the text and HTML renderings."""
+def tables(doc: dict, top_flows: int = 20, top_series: int = 16) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The summary as (title, header, rows) tables, shared by the text and HTML renderings:
+    the ``top_flows`` largest flows and the ``top_series`` busiest NIC directions."""
     t = doc["totals"]
     out = []
     out.append(("Totals", ["packets", "bytes", "payload", "flows", "NICs", "duration", "mean rate", "line rate"],
@@ -77,7 +78,12 @@ def tables(doc: dict, top_flows: int = 20) -> list[tuple[str, list[str], list[li
     else:
         hdr = [key, "packets", "bytes", "share of bytes"]
         rows = [[str(r[key]), f"{r['packets']:,}", fmt_bytes(r["bytes"]), fmt_pct(r["share"])] for r in by["rows"]]
-    out.append((f"Traffic by {key}", hdr, rows))
+    if len(rows) > 64:
+        order = sorted(range(len(rows)), key=lambda i: -by["rows"][i].get("tx_bytes", by["rows"][i].get("bytes", 0)))[:64]
+        rows = [rows[i] for i in sorted(order)]
+        out.append((f"Traffic by {key} (busiest 64 of {len(by['rows']):,})", hdr, rows))
+    else:
+        out.append((f"Traffic by {key}", hdr, rows))
     flows = doc["flows"]
     out.append((f"Flows (top {min(top_flows, len(flows))} of {len(flows):,} by bytes)",
                 ["src", "dst", "UDP sport", "DestQP", "packets", "bytes", "duration", "mean rate"],
@@ -94,19 +100,33 @@ def tables(doc: dict, top_flows: int = 20) -> list[tuple[str, list[str], list[li
         out.append((f"{title}: bytes share per size class", ["class", "count", "bytes", "share"],
                     [[c["class"], f"{c['count']:,}", fmt_bytes(c["bytes"]), fmt_pct(c["bytes_share"])]
                      for c in d.get("classes", []) if c["count"]]))
-    out.append(("Burstiness (windows of each timescale over the whole span)",
+    # busiest NIC directions only (the JSON keeps every one)
+    vol = {(r["nic"], d): r[f"{d}_bytes"] for r in doc["nics"] for d in ("tx", "rx")}
+    series = sorted({(r["nic"], r["direction"]) for r in doc["burstiness"]}, key=lambda k: -vol.get(k, 0))
+    keep = set(series[:top_series])
+    more = f", busiest {len(keep)} of {len(series)} NIC directions" if len(series) > len(keep) else ""
+    burst = [r for r in doc["burstiness"] if (r["nic"], r["direction"]) in keep]
+    onoff = [r for r in doc["onoff"] if (r["nic"], r["direction"]) in keep]
+    out.append((f"Burstiness (windows of each timescale over the whole span{more})",
                 ["nic", "dir", "timescale", "peak/mean", "CoV", "IDC", "peak rate", "peak util."],
                 [[r["nic"], r["direction"], fmt_ns(r["timescale_ns"]), fmt_num(r["peak_to_mean"]),
                   fmt_num(r["cov"]), fmt_num(r["index_of_dispersion"]), fmt_rate(r["peak_bps"]),
-                  fmt_pct(r["peak_utilization"])] for r in doc["burstiness"]]))
-    out.append((f"On/off periods (a burst ends after an idle gap > {fmt_ns(doc['idle_gap_ns'])})",
+                  fmt_pct(r["peak_utilization"])] for r in burst]))
+    out.append((f"On/off periods (a burst ends after an idle gap > {fmt_ns(doc['idle_gap_ns'])}{more})",
                 ["nic", "dir", "bursts", "burst bytes p50", "p99", "on p50", "on p99", "off p50", "off p99"],
                 [[r["nic"], r["direction"], f"{r['bursts']:,}", fmt_bytes(r["burst_bytes"]["p50"]),
                   fmt_bytes(r["burst_bytes"]["p99"]), fmt_ns(r["on_ns"]["p50"]), fmt_ns(r["on_ns"]["p99"]),
-                  fmt_ns(r["off_ns"]["p50"]), fmt_ns(r["off_ns"]["p99"])] for r in doc["onoff"]]))
+                  fmt_ns(r["off_ns"]["p50"]), fmt_ns(r["off_ns"]["p99"])] for r in onoff]))
     m = doc["matrix"]
-    out.append((f"Traffic matrix (bytes, rows send to columns; by {m['by']})", [""] + m["nodes"],
-                [[src] + [fmt_bytes(v) for v in row] for src, row in zip(m["nodes"], m["bytes"])]))
+    if len(m["nodes"]) <= 16:
+        out.append((f"Traffic matrix (bytes, rows send to columns; by {m['by']})", [""] + m["nodes"],
+                    [[src] + [fmt_bytes(v) for v in row] for src, row in zip(m["nodes"], m["bytes"])]))
+    else:
+        pairs = sorted(((v, a, b) for a, row in zip(m["nodes"], m["bytes"]) for b, v in zip(m["nodes"], row) if v),
+                       reverse=True)
+        out.append((f"Traffic matrix: largest {min(20, len(pairs))} of {len(pairs):,} pairs "
+                    f"({len(m['nodes'])} x {len(m['nodes'])} in --json and the heatmap)",
+                    ["from", "to", "bytes"], [[a, b, fmt_bytes(v)] for v, a, b in pairs[:20]]))
     out.append(("Opcodes", ["opcode", "packets"], [[k, f"{v:,}"] for k, v in doc["opcodes"].items()]))
     ecn = doc["ecn"]
     out.append(("ACK / CNP / ECN", ["ACKs", "CNPs", "Not-ECT", "ECT(0)", "ECT(1)", "CE marks"],
@@ -126,7 +146,8 @@ def print_text(doc: dict, file=None, top_flows: int = 20) -> None:
             continue
         t = Table(title=title, title_justify="left", show_lines=False)
         for h in hdr:
-            t.add_column(h, justify="left" if h in ("nic", "node", "src", "dst", "class", "opcode", "") else "right")
+            t.add_column(h, justify="left" if h in ("nic", "node", "src", "dst", "class", "opcode", "", "from", "to")
+                         else "right")
         for r in rows:
             t.add_row(*r)
         console.print(t)
