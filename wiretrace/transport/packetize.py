@@ -448,20 +448,9 @@ class _Marker:
 def _order(p: dict) -> np.ndarray:
     """Row order by time, ties broken by (kind, sender NIC, PSN) so that the output does not
     depend on how messages were cut into expansion steps."""
-    ts = p["ts_ns"]
-    o = np.argsort(ts, kind="stable")
-    t = ts[o]
-    tie = t[1:] == t[:-1]
-    if tie.any():
-        mask = np.zeros(len(t), dtype=bool)
-        mask[1:] |= tie
-        mask[:-1] |= tie
-        pos = np.nonzero(mask)[0]
-        rows = o[pos]
-        key = ((p["_kind"][rows].astype(np.int64) << 46) | (p["src_nic"][rows].astype(np.int64) << 24)
-               | p["psn"][rows].astype(np.int64))
-        o[pos] = rows[np.lexsort((key, ts[rows]))]
-    return o
+    key = ((p["_kind"].astype(np.int64) << 46) | (p["src_nic"].astype(np.int64) << 24)
+           | p["psn"].astype(np.int64))
+    return np.lexsort((key, p["ts_ns"]))
 
 
 def _sorted(p: dict) -> dict:
