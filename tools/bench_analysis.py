@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,8 @@ def main() -> None:
               f"{res['max_rss_kib'] / 1024:12.1f}   (process {wall:.2f} s)")
         if not args.keep:
             cap.unlink()
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import numpy as np
 
 from .analysis.stats import Distribution
 from .errors import WiretraceError
-from .io.capture import LINKTYPE_ETHERNET, iter_frames, open_capture
+from .io.capture import LINKTYPE_ERF, LINKTYPE_ETHERNET, iter_frames, open_capture
 
 ARPHRD_ETHER = 1
 ARPHRD_LOOPBACK = 772
@@ -292,8 +292,14 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
         raise WiretraceError(f"--loop {loop}: must be at least 1")
     if engine not in ("native", "tcpreplay"):
         raise WiretraceError(f"--engine {engine}: expected native or tcpreplay")
-    with open_capture(capture):
-        pass  # one clear line now when the file is not a capture
+    with open_capture(capture) as cap:   # one clear line now when the file is not a capture
+        declared = [i.linktype for i in cap.interfaces]
+    if iface is not None and declared:
+        # a pcap declares its link type up front: refuse before sending anything (pcapng and ERF
+        # files are checked batch by batch as their interfaces appear)
+        kind, _ = check_interface(iface)
+        lt = np.array(declared)
+        _check_linktypes(lt[lt != LINKTYPE_ERF], iface, kind)
     if rt_priority is not None:
         set_realtime(rt_priority)
     if engine == "tcpreplay":
