@@ -640,7 +640,8 @@ def _ib_icrc_plain(frame: bytes, grh: bool) -> int:
     b = bytearray(frame[:-6])
     b[0] |= 0xF0                       # VL
     bth = 8
-    if grh:
+    if grh:   # a global packet's ICRC leaves the whole LRH out (routers rebuild it)
+        b[0:8] = b"\xff" * 8
         b[8] |= 0x0F
         b[9:12] = b"\xff\xff\xff"
         b[15] = 0xFF

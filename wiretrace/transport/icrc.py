@@ -18,9 +18,9 @@ ICRC masking (IBTA annex A17.4.1 for RoCEv2, vol. 1 7.8.1 for native IB): the CR
 8 bytes of 0xFF standing for the absent LRH (RoCEv2), then the IP header with IPv4 TOS, TTL and
 header checksum (IPv6 traffic class, flow label, hop limit) set to ones, the UDP header with its
 checksum set to ones, the BTH with its byte 4 (FECN, BECN, reserved) set to ones, the extension
-headers, payload and pad. Native IB masks the LRH VL field and, when present, GRH traffic class,
-flow label and hop limit. The 32-bit result is stored least significant byte first (as scapy's
-``BTH.pack_icrc`` and Linux ``rxe_icrc.c`` do).
+headers, payload and pad. Native IB masks the LRH VL field (the whole LRH when a GRH follows) and,
+when present, GRH traffic class, flow label and hop limit. The 32-bit result is stored least
+significant byte first (as scapy's ``BTH.pack_icrc`` and Linux ``rxe_icrc.c`` do).
 """
 
 from __future__ import annotations
@@ -261,11 +261,14 @@ def mask_rocev2(rows: np.ndarray, ip_version: int) -> np.ndarray:
 
 def mask_ib(rows: np.ndarray, grh: bool) -> np.ndarray:
     """Copy of ``(n, L)`` rows starting at the LRH with the native-IB ICRC variant fields set to
-    ones: LRH VL, GRH traffic class, flow label, hop limit (when present), BTH byte 4."""
+    ones: LRH VL (local packets) or the whole LRH (global packets: routers rebuild it, which is
+    why RoCEv2 puts eight bytes of ones in its place), GRH traffic class, flow label and hop
+    limit, BTH byte 4 (IBTA vol. 1 7.8.1)."""
     m = np.array(rows, dtype=np.uint8, copy=True)
     m[:, 0] |= 0xF0                    # VL
     bth = 8
     if grh:
+        m[:, 0:8] = 0xFF               # the whole LRH
         m[:, 8] |= 0x0F
         m[:, 9:12] = 0xFF
         m[:, 15] = 0xFF
