@@ -99,11 +99,13 @@ def matrix(s: Summary) -> plt.Figure:
     size = min(12, 3 + 0.5 * n)
     fig, ax = plt.subplots(figsize=(size + 1.5, size), dpi=100)
     shown = np.where(data > 0, data, np.nan)
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm, Normalize
 
     vmax = np.nanmax(shown) if np.isfinite(shown).any() else 1
     vmin = np.nanmin(shown) if np.isfinite(shown).any() else 0.1
-    im = ax.imshow(shown, cmap="viridis", norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
+    # a log scale when pairs differ by orders of magnitude, else linear from 0
+    norm = LogNorm(vmin=vmin, vmax=vmax) if vmax > 10 * vmin else Normalize(vmin=0, vmax=vmax)
+    im = ax.imshow(shown, cmap="viridis", norm=norm)
     fig.colorbar(im, ax=ax, label="bytes")
     ticks = range(n) if n <= 32 else np.linspace(0, n - 1, 16).astype(int)
     ax.set_xticks(ticks, [names[i] for i in ticks], rotation=90 if n > 8 else 0, fontsize=8)
@@ -115,7 +117,9 @@ def matrix(s: Summary) -> plt.Figure:
         for i in range(n):
             for j in range(n):
                 if data[i, j] > 0:
-                    ax.text(j, i, _short_bytes(data[i, j]), ha="center", va="center", color="w", fontsize=7)
+                    light = norm(data[i, j]) > 0.6            # dark text on the bright end of viridis
+                    ax.text(j, i, _short_bytes(data[i, j]), ha="center", va="center",
+                            color="k" if light else "w", fontsize=7)
     fig.tight_layout()
     return fig
 
