@@ -156,39 +156,39 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
             cur.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
             lo = hi
 
-    # Rendering chunk k+1 overlaps the kernel copying chunk k: two slot buffers alternate between
-    # this thread and one I/O thread (os.writev and most NumPy loops release the GIL).
-    bufs: list[np.ndarray | None] = [None, None]
-    pending: list[Future | None] = [None, None]
+    # Producing chunk k+1 (the caller's generator: packetize, Parquet) overlaps rendering and
+    # writing chunk k on one worker thread; NumPy loops and os.writev release the GIL. The worker
+    # keeps its slot buffer; at most two chunks are in flight, so memory stays bounded.
+    buf: list[np.ndarray | None] = [None]
+
+    def render_and_put(chunk: dict) -> None:
+        slots, reclen = _records(fmt, chunk, buf[0])
+        if buf[0] is None or buf[0].size < slots.size:
+            buf[0] = slots.reshape(-1)
+        put(slots, reclen)
+
+    inflight: list[Future] = []
     packets = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as pool:
         try:
             files.append(_File(_rotated_name(path, 0), header))
-            k = 0
             for chunk in packet_chunks:
                 n = len(chunk["ts_ns"])
                 if n == 0:
                     continue
-                i = k & 1
-                if pending[i] is not None:
-                    pending[i].result()          # the buffer is free again
-                slots, reclen = _records(fmt, chunk, bufs[i])
-                if bufs[i] is None or bufs[i].size < slots.size:
-                    bufs[i] = slots.reshape(-1)
-                pending[i] = pool.submit(put, slots, reclen)
-                k += 1
+                while len(inflight) >= 2:
+                    inflight.pop(0).result()
+                inflight.append(pool.submit(render_and_put, chunk))
                 packets += n
                 if progress:
                     progress(packets)
-            for f in pending:
-                if f is not None:
-                    f.result()
+            for f in inflight:
+                f.result()
             for f in files:
                 f.commit()
         except BaseException:
-            for f in pending:
-                if f is not None:
-                    f.cancel()
+            for f in inflight:
+                f.cancel()
             pool.shutdown(wait=True)
             for f in files:
                 f.abort()
