@@ -383,13 +383,16 @@ def test_psn_contiguous_per_qp_and_one_ack_per_message_with_msn():
     np.testing.assert_array_equal(np.sort(p["ts_ns"][acks]), np.sort(m["t_end_ns"]))
 
 
-def test_psn_wraps_at_2_to_the_24():
+def test_psn_wraps_at_2_to_the_24(tmp_path):
     plan, topo = make_plan({"initial_psn": (1 << 24) - 3})
     m = serial_messages([10 * 1024])
     p = all_packets(m, topo, plan)
     data = p["opcode"] != 0x11
     assert p["psn"][data].tolist() == [16777213, 16777214, 16777215, 0, 1, 2, 3, 4, 5, 6]
     assert p["psn"][~data].tolist() == [6]
+    path = tmp_path / "wrap.pcap"
+    write_capture(path, [p], topo, plan)
+    assert [int(r[0]) for r in tshark_fields(path, ["infiniband.bth.psn"])] == p["psn"].tolist()
 
 
 def test_random_initial_psn_is_seeded():

@@ -30,7 +30,6 @@ import zlib
 
 import numpy as np
 
-from . import headers as H
 
 
 class Crc:

@@ -224,7 +224,6 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
     """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted."""
     sl = slice(lo, hi)
     npk = M.npk[sl]
-    m = hi - lo
     total = int(npk.sum())
     starts = np.cumsum(npk) - npk                           # first packet of each message
     ends = starts + npk - 1                                 # last packet of each message
