@@ -259,20 +259,33 @@ def test_flipped_icrc_byte(tmp_path):
 
 def test_psn_gap(tmp_path):
     frames = good_frames()
-    # SEND ONLY (frame 5) at PSN 1 -> 4: expected 1, 3 PSNs missing; the next request (READ
-    # at PSN 2) then goes back from 5
-    frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    # the second UC SEND ONLY (frame 15) at PSN 101 -> 104
+    frames[14] = edit(frames[14], BTH_AT + 8, struct.pack(">I", 104))
     rep = validate_capture(write_pcap(tmp_path / "psn.pcap", frames))
-    v = only(rep, "psn", 2)
-    assert (v[0].frame, v[0].qp) == (5, QP_B)
-    assert v[0].message == "PSN gap: expected 1, got 4 (3 PSN(s) missing)"
-    assert v[1].frame == 7 and "goes back" in v[1].message
+    (v,) = only(rep, "psn")
+    assert (v.frame, v.qp) == (15, QP_UC)
+    assert v.message == "PSN gap: expected 101, got 104 (3 PSN(s) missing)"
     res = run_cli(tmp_path / "psn.pcap", "--json")
     assert res.exit_code == 1
     doc = json.loads(res.output)
-    assert doc["counts"]["psn"] == 2
-    assert doc["violations"][0] == {"frame": 5, "qp": QP_B, "check": "psn",
-                                    "message": "PSN gap: expected 1, got 4 (3 PSN(s) missing)"}
+    assert doc["counts"]["psn"] == 1
+    assert doc["violations"] == [{"frame": 15, "qp": QP_UC, "check": "psn",
+                                  "message": "PSN gap: expected 101, got 104 (3 PSN(s) missing)"}]
+
+
+def test_psn_jump_on_rc_also_breaks_msn_accounting(tmp_path):
+    frames = good_frames()
+    # SEND ONLY (frame 5) at PSN 1 -> 4: a gap, then the READ at PSN 2 goes back; the ACK of
+    # PSN 1 (frame 6) now counts no new message although its MSN says one more
+    frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    rep = validate_capture(write_pcap(tmp_path / "psn.pcap", frames))
+    assert rep.counts["psn"] == 2 and rep.counts["ack_msn"] == 1 and rep.total_violations == 3
+    v = sorted(rep.violations, key=lambda v: v.frame)
+    assert (v[0].frame, v[0].message) == (5, "PSN gap: expected 1, got 4 (3 PSN(s) missing)")
+    assert (v[1].frame, v[1].check) == (6, "ack_msn")
+    assert v[1].message == ("MSN 2 acknowledging PSN 1, expected 1 "
+                            "(0 request message(s) completed since the previous ACK)")
+    assert v[2].frame == 7 and "goes back" in v[2].message
 
 
 def test_psn_gap_after_read_request(tmp_path):
@@ -355,6 +368,18 @@ def test_msn_going_back(tmp_path):
     assert v.frame == 12 and v.qp == QP_A and v.message == "MSN 1 goes back from 3"
 
 
+def test_msn_off_by_one(tmp_path):
+    frames = good_frames()
+    # second ACK (PSN 1): MSN 2 -> 1. The MSN neither goes back nor runs ahead of the PSNs, but
+    # the SEND ONLY at PSN 1 completed a second message since the first ACK (MSN 1 at PSN 0)
+    frames[5] = edit(frames[5], BTH_AT + 12, aeth(1))
+    rep = validate_capture(write_pcap(tmp_path / "msn1.pcap", frames))
+    (v,) = only(rep, "ack_msn")
+    assert v.frame == 6 and v.qp == QP_A
+    assert v.message == ("MSN 1 acknowledging PSN 1, expected 2 "
+                         "(1 request message(s) completed since the previous ACK)")
+
+
 def test_truncated_file(tmp_path):
     path = write_pcap(tmp_path / "cut.pcap", good_frames())
     path.write_bytes(path.read_bytes()[:-10])
@@ -386,9 +411,9 @@ def test_snaplen_truncated_frames_checked_as_far_as_they_go(tmp_path):
     assert c["payload_len"].tolist() == GOOD_FIELDS["payload_len"]  # from the length fields
     assert c["frame_len"].tolist() == [len(f) for f in frames]
     # a PSN gap is still found in headers-only frames
-    frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
+    frames[14] = edit(frames[14], BTH_AT + 8, struct.pack(">I", 104))
     rep = validate_capture(write_pcap(tmp_path / "snap2.pcap", frames, snaplen=80, cut=80))
-    assert rep.counts["psn"] == 2 and rep.total_violations == 2
+    assert rep.counts["psn"] == 1 and rep.total_violations == 1
 
 
 def test_non_roce_frames_are_counted_and_skipped(tmp_path):
@@ -404,7 +429,7 @@ def test_batches_carry_stream_state(tmp_path, fault):
     # the same findings over batches of 1, 2, 3 and 5 frames: messages, READs and PSNs span
     # batch boundaries
     frames = good_frames()
-    if fault == "psn":
+    if fault == "psn":  # also upsets the MSN accounting of the ACKs
         frames[4] = edit(frames[4], BTH_AT + 8, struct.pack(">I", 4))
     elif fault == "reth":
         frames[0] = edit(frames[0], BTH_AT + 12 + 12, struct.pack(">I", 2600))

@@ -25,7 +25,10 @@ check               what is verified
 ``reth_length``     the RETH DMA length equals the payload bytes of the WRITE message it opens
                     and of the READ responses it asks for (IBTA 9.3.3)
 ``ack_msn``         AETH syndrome is ACK, RNR NAK or a defined NAK; the MSN never goes back and
-                    does not advance by more messages than PSNs (IBTA 9.3.5, 9.7.5.1)
+                    does not advance by more messages than PSNs; an ACK's MSN advances by the
+                    number of request messages completed up to its PSN, when the requests it
+                    answers can be told apart (same addresses swapped and UDP source port, or
+                    the only QP between two IB ports) (IBTA 9.3.5, 9.7.5.1)
 ==================  ==============================================================================
 
 Frames cut by the capture's snap length are checked as far as their bytes go (headers present
@@ -41,6 +44,7 @@ memory stays bounded for captures of any size.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +105,10 @@ def _opcode_tables():
 
 
 OP_POS, OP_FAMILY, OP_RESPONSE, OP_SEQUENCED = _opcode_tables()
+
+
+_ACK_OPCODES = np.array([c for c, o in H.OPCODES.items() if o.operation == "ACKNOWLEDGE"])
+_MAX_PENDING_ENDS = 1 << 16  # message ends kept per request stream while waiting for an ACK
 
 
 def _opname(code: int) -> str:
@@ -410,6 +418,16 @@ class _Stream:
     last_psn: int = -1           # last PSN of a packet that is not an ACK
     last_msn: int = -1           # responses: last MSN
     last_ack_psn: int = -1
+    # exact MSN accounting (see _StreamChecker._count_messages)
+    src_ep: bytes = b""          # source address + LID
+    dst_ep: bytes = b""
+    sport: int = -1              # UDP source port (-1 for native IB)
+    ends: list = field(default_factory=list)  # requests: unwrapped end PSNs not yet ACKed
+    end_unw: int = -1            # requests: unwrapped PSN of the last message end
+    acked: int = 0               # requests: messages counted by ACKs so far
+    ends_lost: bool = False      # requests: ``ends`` overflowed, the count restarts
+    partner: int = -1            # responses: request stream they acknowledge (-1 unknown)
+    msn_offset: int = -1         # responses: MSN minus messages counted (-1 not yet known)
 
 
 class _StreamChecker:
@@ -421,6 +439,11 @@ class _StreamChecker:
         self.streams: list[_Stream] = []
         self.pmtu = 0                         # path MTU seen (largest FIRST/MIDDLE payload)
         self.reads: dict[tuple, tuple] = {}   # (requester, responder, psn) -> (dma, frame)
+        # request streams by (source, destination, UDP source port): pairs ACK streams with the
+        # requests they acknowledge (RoCEv2 NICs use one UDP source port for both directions
+        # of a connection, hashed from the two QPNs as Linux rdma_calc_flow_label does)
+        self.requests_by_pair: dict[tuple, list] = {}
+        self.flagged: set = set()  # frames of this batch with an MSN already reported
 
     def feed(self, cols) -> None:
         has = cols["has_bth"] & (cols["payload_len"] >= 0)
@@ -450,7 +473,13 @@ class _StreamChecker:
             g = self.ids.get(kb)
             if g is None:
                 g = self.ids[kb] = len(self.streams)
-                self.streams.append(_Stream(qp=int(cols["dest_qp"][use[first_at[u]]])))
+                row = use[first_at[u]]
+                st = _Stream(qp=int(cols["dest_qp"][row]), sport=int(cols["udp_sport"][row]),
+                             src_ep=key[first_at[u], :16].tobytes() + key[first_at[u], 32:36].tobytes(),
+                             dst_ep=key[first_at[u], 16:32].tobytes() + key[first_at[u], 36:40].tobytes())
+                self.streams.append(st)
+                if not key[first_at[u], 44]:
+                    self.requests_by_pair.setdefault((st.src_ep, st.dst_ep, st.sport), []).append(g)
             gid_of_u[u] = g
         gid = gid_of_u[inv.reshape(-1)]
         self.rep.streams = len(self.streams)
@@ -666,9 +695,14 @@ class _StreamChecker:
             if rb:
                 rb = np.array(rb)
                 rep.add(frame[rb], qp[rb], "ack_msn", msgs)
+                self.flagged = set(frame[rb].tolist())
             for k in np.nonzero(np.append(a_first[1:], True))[0]:
                 st = self.streams[a_gid[k]]
                 st.last_msn, st.last_ack_psn = int(msn[ai[k]]), int(psn[ai[k]])
+
+        self._count_messages(cols, rows, gid, op, psn, pos, fam, req, consumed_lo, msn, syn,
+                             frame, qp)
+        self.flagged = set()
 
         # -- carry the state of each stream's last packet ---------------------------------------
         for i in np.nonzero(last & req)[0]:
@@ -687,6 +721,57 @@ class _StreamChecker:
                                                           int(seg_psn[i]))
                 else:
                     st.msg_sum, st.msg_dma, st.msg_psn = 0, -1, -1
+
+    def _partner(self, g: int) -> _Stream | None:
+        """The request stream an ACK stream answers, when exactly one candidate exists."""
+        r = self.streams[g]
+        if r.partner < 0:
+            cands = self.requests_by_pair.get((r.dst_ep, r.src_ep, r.sport), [])
+            if len(cands) != 1:
+                return None
+            r.partner = cands[0]
+        return self.streams[r.partner]
+
+    def _count_messages(self, cols, rows, gid, op, psn, pos, fam, req, consumed, msn, syn,
+                        frame, qp) -> None:
+        """Exact MSN check: an ACK's MSN minus the request messages completed up to its PSN is
+        the same for every ACK of a connection (the responder counts each completed message,
+        IBTA 9.7.5.1.1). Message ends are registered before the batch's ACKs are examined (an
+        ACK follows what it acknowledges); ACK streams whose request stream cannot be told
+        apart keep only the monotonic checks above."""
+        ends = np.nonzero(req & np.isin(pos, (POS_LAST, POS_ONLY)))[0]
+        for i in ends:
+            st = self.streams[gid[i]]
+            e = int((psn[i] + consumed[i] - 1) % PSN_MOD)
+            if st.end_unw < 0:
+                st.end_unw = e
+            else:
+                st.end_unw += (e - st.end_unw + PSN_HALF) % PSN_MOD - PSN_HALF
+            st.ends.append(st.end_unw)
+            if len(st.ends) > _MAX_PENDING_ENDS:  # nobody acknowledges this stream
+                del st.ends[:len(st.ends) // 2]
+                st.ends_lost = True
+        acks = np.nonzero(~req & np.isin(op, _ACK_OPCODES) & (msn >= 0) & ((syn >> 5) == 0))[0]
+        for i in acks:
+            r = self.streams[gid[i]]
+            s = self._partner(int(gid[i]))
+            if s is None or s.end_unw < 0:
+                continue
+            if s.ends_lost:
+                s.ends_lost = False
+                r.msn_offset = -1
+            p = s.end_unw + (int(psn[i]) - s.end_unw + PSN_HALF) % PSN_MOD - PSN_HALF
+            k = bisect.bisect_right(s.ends, p)
+            del s.ends[:k]
+            s.acked += k
+            offset = (int(msn[i]) - s.acked) % PSN_MOD
+            if r.msn_offset < 0:
+                r.msn_offset = offset
+            elif offset != r.msn_offset and int(frame[i]) not in self.flagged:
+                want = (r.msn_offset + s.acked) % PSN_MOD
+                self.rep.add([frame[i]], [qp[i]], "ack_msn",
+                             [f"MSN {int(msn[i])} acknowledging PSN {int(psn[i])}, expected {want}"
+                              f" ({k} request message(s) completed since the previous ACK)"])
 
     def _compare_dma(self, idx, upto, seg_dma, pad, frame, qp, what: str) -> None:
         if not len(idx):
