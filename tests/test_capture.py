@@ -367,3 +367,18 @@ def test_erf_records_inside_pcapng(tmp_path):
     assert got["linktype"] == [LINKTYPE_INFINIBAND, 197]
     assert got["bytes"][0] == IB_FRAME and got["ts"][0] == t
     assert len(tshark_fields(path, "frame.number")) == 2
+
+
+def test_modified_pcap_records(tmp_path):
+    # Kuznetzov's modified pcap (magic 0xa1b2cd34): 24-byte records with ifindex, protocol,
+    # packet type and a pad byte after the usual four fields
+    frames = real_frames()
+    out = [struct.pack("<IHHiIII", 0xA1B2CD34, 2, 4, 0, 0, 65535, 1)]
+    for i, f in enumerate(frames):
+        out.append(struct.pack("<IIIIIHBB", 1_700_000_000, 10 + i, len(f), len(f), 3, 0x0800, 0, 0)
+                   + f)
+    path = tmp_path / "mod.pcap"
+    path.write_bytes(b"".join(out))
+    got = all_frames(path)
+    assert got["bytes"] == frames
+    assert got["ts"] == [1_700_000_000 * 10**9 + 10_000, 1_700_000_000 * 10**9 + 11_000]
