@@ -448,7 +448,9 @@ def test_batches_carry_stream_state(tmp_path, fault):
 # -- native InfiniBand in ERF -----------------------------------------------------------------
 
 def crc16_vcrc(data: bytes) -> int:
-    """IB VCRC, bit by bit: polynomial 0x100B (reflected 0xD008), init 0xFFFF, complemented."""
+    """IB VCRC, bit by bit: polynomial 0x100B (reflected 0xD008), init 0xFFFF, complemented, as
+    Endace's capture library computes it (dagcrc.c, dagcrc_infiniband_vcrc16_r). Sent least
+    significant byte first here, like the ICRC (the byte order is wiretrace's assumption)."""
     c = 0xFFFF
     for byte in data:
         c ^= byte
