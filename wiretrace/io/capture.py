@@ -11,18 +11,22 @@ Any capture a network engineer brings is accepted, ours or a real one:
   records or as pcap/pcapng frames of link type 197 (``LINKTYPE_ERF``, as Mellanox ``ibdump``
   writes them for InfiniBand ports).
 
-File and section headers are decoded with dpkt's declared layouts (``dpkt.pcap.FileHdr``,
-``dpkt.pcapng.SectionHeaderBlock``, ``InterfaceDescriptionBlock`` and their options). The records
-themselves are walked here with the same field layouts through :mod:`struct`, because dpkt's
-``Reader`` classes return timestamps as floats (nanoseconds are lost), drop the original length
-and read only the first pcapng interface; dpkt has no ERF reader.
+File headers and interface descriptions are decoded with dpkt's declared layouts
+(``dpkt.pcap.FileHdr`` and its record-header formats, ``dpkt.pcapng.InterfaceDescriptionBlock``
+and its options). The records themselves are walked here with the same field layouts through
+:mod:`struct`, because dpkt's ``Reader`` classes return timestamps as floats (nanoseconds are
+lost), drop the original length and read only the first pcapng interface; dpkt has no ERF
+reader. The walk goes run by run: record headers are read in a tight loop over the read buffer
+and the bytes of all the frames of a run are gathered with one NumPy operation.
 
 ERF records are unwrapped: a frame's bytes start at the first byte of the link header inside the
 record (LRH for InfiniBand, the Ethernet destination address for Ethernet types, after the 2-byte
 offset/pad field), its link type is the one of those bytes (247 ``LINKTYPE_INFINIBAND``, 1
 ``LINKTYPE_ETHERNET``, 228/229 raw IPv4/IPv6) and its timestamp is the ERF one, as Wireshark does
 (wiretap ``erf.c`` and ``pcap-common.c``). Records of other ERF types keep link type 197 and
-their whole record; padding and provenance (META) records are skipped.
+their whole record. In a plain ERF file, padding and provenance (META) records are skipped; as
+frames of a pcap or pcapng file they stay (link type 197), so that frame numbers keep matching
+Wireshark's.
 
 A capture whose last record is cut short (a copy interrupted, a capture killed) yields every
 complete frame; the cut is then described by :attr:`Capture.truncated` instead of an exception.
