@@ -14,6 +14,7 @@ like ``tcpdump -C``: ``out.pcap``, ``out.pcap1``, ``out.pcap2``, ...).
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -115,6 +116,25 @@ def _records(fmt: Format, chunk: dict, buf: np.ndarray | None):
     return slots, reclen
 
 
+SLOT_BYTES = 32 << 20
+"""Bytes of frames rendered at once: whole 4 KiB frames are cut into pieces of this size so the
+slot buffer stays small and is reused."""
+
+
+def _byte_bounded(chunk: dict, fmt: Format) -> Iterator[dict]:
+    """``chunk`` cut into row ranges whose captured bytes stay near :data:`SLOT_BYTES`."""
+    fl = np.asarray(chunk["frame_len"], dtype=np.int64)
+    cap = fl if fmt.snaplen <= 0 else np.minimum(fl, fmt.snaplen)
+    width = int(cap.max()) + fmt.prefix + fmt.suffix if len(cap) else 0
+    rows = max(1, SLOT_BYTES // max(width, 1))
+    n = len(fl)
+    if n <= rows:
+        yield chunk
+        return
+    for lo in range(0, n, rows):
+        yield {k: np.asarray(v)[lo:lo + rows] for k, v in chunk.items()}
+
+
 def _rotated_name(path: Path, i: int) -> Path:
     return path if i == 0 else path.with_name(path.name + str(i))
 
@@ -156,20 +176,37 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
             cur.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
             lo = hi
 
-    # Producing chunk k+1 (the caller's generator: packetize, Parquet) overlaps rendering and
-    # writing chunk k on one worker thread; NumPy loops and os.writev release the GIL. The worker
-    # keeps its slot buffer; at most two chunks are in flight, so memory stays bounded.
-    buf: list[np.ndarray | None] = [None]
+    # Three stages overlap: the caller's generator (packetize, Parquet) on this thread, rendering
+    # on one worker, os.writev on another (NumPy loops and writev release the GIL). Three slot
+    # buffers circulate between renderer and writer and at most two chunks wait for rendering,
+    # so memory stays bounded.
+    free: queue.Queue = queue.Queue()
+    for _ in range(3):
+        free.put(None)
+    writes: list[Future] = []
 
-    def render_and_put(chunk: dict) -> None:
-        slots, reclen = _records(fmt, chunk, buf[0])
-        if buf[0] is None or buf[0].size < slots.size:
-            buf[0] = slots.reshape(-1)
-        put(slots, reclen)
+    def write_and_release(slots, reclen, flat) -> None:
+        try:
+            put(slots, reclen)
+        finally:
+            free.put(flat)
+
+    def render(chunk: dict) -> None:
+        for part in _byte_bounded(chunk, fmt):
+            flat = free.get()
+            try:
+                slots, reclen = _records(fmt, part, flat)
+            except BaseException:
+                free.put(flat)
+                raise
+            if flat is None or flat.size < slots.size:
+                flat = slots.reshape(-1)
+            writes.append(writer.submit(write_and_release, slots, reclen, flat))
 
     inflight: list[Future] = []
     packets = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as pool:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as writer, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-render") as renderer:
         try:
             files.append(_File(_rotated_name(path, 0), header))
             for chunk in packet_chunks:
@@ -178,18 +215,25 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                     continue
                 while len(inflight) >= 2:
                     inflight.pop(0).result()
-                inflight.append(pool.submit(render_and_put, chunk))
+                inflight.append(renderer.submit(render, chunk))
                 packets += n
                 if progress:
                     progress(packets)
+                while writes and writes[0].done():
+                    writes.pop(0).result()       # surface a failed write early
             for f in inflight:
+                f.result()
+            for f in list(writes):
                 f.result()
             for f in files:
                 f.commit()
         except BaseException:
             for f in inflight:
                 f.cancel()
-            pool.shutdown(wait=True)
+            renderer.shutdown(wait=True)
+            for f in list(writes):
+                f.cancel()
+            writer.shutdown(wait=True)
             for f in files:
                 f.abort()
             raise
