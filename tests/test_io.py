@@ -145,7 +145,11 @@ def test_erf_for_rocev2_uses_ethernet_records(tmp_path, roce):
     assert [int(r[0]) for r in rows] == p["psn"].tolist()
 
 
-def test_split_per_nic(tmp_path, roce):
+@pytest.mark.parametrize("open_files", [256, 1])
+def test_split_per_nic(tmp_path, roce, monkeypatch, open_files):
+    import wiretrace.io.write as W
+
+    monkeypatch.setattr(W, "MAX_OPEN_FILES", open_files)   # 1: files are closed and reopened
     plan, topo, p = roce
     d = tmp_path / "split"
     stats = write_capture(d, _chunks(p, 3), topo, plan, snaplen=0, split="nic")

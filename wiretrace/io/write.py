@@ -28,6 +28,8 @@ from ..topology import Topology
 from ..transport.render import render_slots, slot_pieces
 
 IOV_MAX = 1024
+MAX_OPEN_FILES = 256
+"""Files kept open at once by ``split="nic"`` (the rest are reopened for appending)."""
 
 
 class Format:
@@ -83,15 +85,15 @@ class _File:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
         self.fd, self.tmp = fd, Path(name)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)      # mkstemp creates 0600; captures are ordinary files
+        os.fchmod(fd, 0o644)               # mkstemp creates 0600; captures are ordinary files
         self.size = 0
         self.packets = 0
         if header:
             self.size += _writev_all(fd, [memoryview(header)])
 
     def write(self, pieces: list, nbytes: int, packets: int) -> None:
+        if self.fd < 0:                    # closed to stay under the open-file limit: reopen
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
         self.size += _writev_all(self.fd, pieces)
         self.packets += packets
 
@@ -249,6 +251,7 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
     directory.mkdir(parents=True, exist_ok=True)
     ext = fmt.suffixes[0]
     writers: dict[int, _File] = {}
+    lru: dict[int, _File] = {}                     # open files, least recently written first
     header = fmt.file_header()
     packets = 0
     buf = None
@@ -282,6 +285,12 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
                     writers[nic] = f
                     all_files.append(f)
                 f.write(slot_pieces(sub, rl), int(rl.sum()), len(rows))
+                lru.pop(nic, None)
+                lru[nic] = f
+                if len(lru) > MAX_OPEN_FILES:       # close the least recently written file
+                    _, old = next(iter(lru.items()))
+                    old.close()
+                    lru.pop(next(iter(lru)))
             packets += n
             if progress:
                 progress(packets)
