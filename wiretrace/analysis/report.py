@@ -182,6 +182,19 @@ figcaption {{ font-size: 0.9em; color: #555; }}
 <p>{subtitle}</p>
 {figures}
 {tables}
+<h2>Definitions</h2>
+<ul>
+<li>bytes: frame bytes from the Ethernet header (or LRH) through the ICRC (and VCRC), without FCS,
+as the capture's original length counts them.</li>
+<li>utilization: bytes on the line (Ethernet adds 24 bytes per frame: preamble, SFD, FCS, minimum
+inter-frame gap) x 8 / (line rate x span from first to last packet).</li>
+<li>flow: source and destination address, UDP source port and BTH DestQP (one QP connection in one
+direction).</li>
+<li>burstiness: bytes (and packets) in windows of each timescale over the whole span, empty windows
+included; peak-to-mean and coefficient of variation of bytes, index of dispersion of packet counts.</li>
+<li>burst (on period): packets of one NIC direction each starting at most the idle gap after the
+previous one ended ({idle_gap}).</li>
+</ul>
 <script>
 // Sets data-loaded="N/M" on <html> (N figures decoded with naturalWidth > 0, of M), again
 // after the load event, so that a headless browser can check that every figure is shown.
@@ -226,7 +239,8 @@ def html_page(doc: dict, figures: list[tuple[str, Path]], top_flows: int = 50) -
     subtitle = html.escape(f"{inp.get('kind', '')} {inp.get('path', '')}: {doc['totals']['packets']:,} packets, "
                            f"{fmt_bytes(doc['totals']['bytes'])}, {doc['totals']['flows']:,} flows")
     return _PAGE.format(title=html.escape(title), subtitle=subtitle, nfig=len(figs),
-                        figures="\n".join(figs), tables="\n".join(tabs))
+                        figures="\n".join(figs), tables="\n".join(tabs),
+                        idle_gap=html.escape(fmt_ns(doc.get("idle_gap_ns"))))
 
 
 def plain(o):

@@ -96,7 +96,8 @@ def open_input(path: str | Path, plan=None, line_rate_bps: float | None = None) 
     Parameters
     ----------
     path : capture (pcap/pcapng/ERF) or directory with ``packets.parquet``.
-    plan : optional :class:`wiretrace.plan.Plan` (addresses -> NICs and nodes, line rate).
+    plan : optional :class:`wiretrace.plan.Plan` (addresses -> NICs and nodes, line rate); for a
+        Parquet directory holding a ``plan.json``, that plan by default.
     line_rate_bps : line rate in bits/s; overrides the plan's ``cluster.nic_rate``.
 
     Raises
@@ -107,6 +108,10 @@ def open_input(path: str | Path, plan=None, line_rate_bps: float | None = None) 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(2, "no such file", str(path))
+    if plan is None and path.is_dir() and (path / "plan.json").is_file():
+        from ..plan import load
+
+        plan = load(path / "plan.json", require_model=False)   # a copy kept beside the tables
     rate = line_rate_bps or (plan.cluster.nic_rate_bps if plan is not None else None)
     if path.is_dir():
         return _open_parquet(path, plan, rate)
