@@ -628,3 +628,17 @@ def test_reordered_input_is_counted_and_summarized_alike():
     c = run(rng.permutation(n), 1)                     # shuffled within one batch: sorted before use
     assert c["burstiness"] == a["burstiness"] and c["onoff"] == a["onoff"]
     assert c["totals"]["out_of_order_packets"] > n // 2
+
+
+def test_parquet_directory_with_its_plan(generated, tmp_path):
+    import shutil
+
+    _, pqdir = generated
+    d = tmp_path / "with_plan"
+    shutil.copytree(pqdir, d)
+    bare = summarize(d)
+    assert bare["line_rate_bps"] is None and bare["nics"][0]["nic"] == "nic0"
+    shutil.copy(PLAN, d / "plan.json")
+    doc = summarize(d)
+    assert doc["line_rate_bps"] == 400e9 and doc["nics"][0]["nic"] == "10.0.0.1"
+    assert doc["nics"][0]["tx_utilization"] > 0
