@@ -642,3 +642,21 @@ def test_parquet_directory_with_its_plan(generated, tmp_path):
     doc = summarize(d)
     assert doc["line_rate_bps"] == 400e9 and doc["nics"][0]["nic"] == "10.0.0.1"
     assert doc["nics"][0]["tx_utilization"] > 0
+
+
+def test_acks_naks_and_rnr_naks_from_aeth(tmp_path):
+    from scapy.contrib.roce import AETH
+
+    def ack(syndrome, psn):
+        p = (Ether() / IP(src="10.1.0.1", dst="10.0.0.1", tos=0x6a) / UDP(sport=50001, dport=4791, chksum=0) /
+             BTH(opcode=0x11, dqpn=0x22, psn=psn) / AETH(syndrome=syndrome, msn=psn))
+        p.time = 1.0 + psn * 1e-6
+        return p
+    # ACK (credit count 0x1f), NAK PSN sequence error (0x60), NAK remote access error (0x62),
+    # RNR NAK with timer 0x0e (0x2e), IBTA vol. 1 table 44
+    frames = [ack(0x1F, 0), ack(0x1F, 1), ack(0x60, 2), ack(0x62, 3), ack(0x2E, 4)]
+    wrpcap(str(tmp_path / "acks.pcap"), frames)
+    doc = summarize(tmp_path / "acks.pcap")
+    assert doc["acks"] == 5 and doc["opcodes"] == {"RC_ACKNOWLEDGE": 5}
+    assert doc["naks"] == {"rnr_nak": 1, "nak_psn_sequence_error": 1, "nak_other": 1}
+    assert doc["message_sizes"]["count"] == 0

@@ -129,8 +129,11 @@ def tables(doc: dict, top_flows: int = 20, top_series: int = 16) -> list[tuple[s
                     ["from", "to", "bytes"], [[a, b, fmt_bytes(v)] for v, a, b in pairs[:20]]))
     out.append(("Opcodes", ["opcode", "packets"], [[k, f"{v:,}"] for k, v in doc["opcodes"].items()]))
     ecn = doc["ecn"]
-    out.append(("ACK / CNP / ECN", ["ACKs", "CNPs", "Not-ECT", "ECT(0)", "ECT(1)", "CE marks"],
-                [[f"{doc['acks']:,}", f"{doc['cnps']:,}", f"{ecn['not_ect']:,}", f"{ecn['ect0']:,}",
+    naks = doc.get("naks")
+    nak_txt = "-" if naks is None else f"{naks['nak_psn_sequence_error'] + naks['nak_other']:,}"
+    rnr_txt = "-" if naks is None else f"{naks['rnr_nak']:,}"
+    out.append(("ACK / NAK / CNP / ECN", ["ACKs", "NAKs", "RNR NAKs", "CNPs", "Not-ECT", "ECT(0)", "ECT(1)", "CE marks"],
+                [[f"{doc['acks']:,}", nak_txt, rnr_txt, f"{doc['cnps']:,}", f"{ecn['not_ect']:,}", f"{ecn['ect0']:,}",
                   f"{ecn['ect1']:,}", f"{ecn['ce']:,}"]]))
     return out
 

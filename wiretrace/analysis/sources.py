@@ -374,4 +374,5 @@ def _capture_batch(cols: dict, endpoint_ids) -> dict | None:
         "payload_len": np.maximum(cols["payload_len"].astype(np.int64), 0),
         "frame_len": flen, "wire_len": flen + np.where(ib, 0, ETHERNET_L1_OVERHEAD_BYTES),
         "ecn": cols["ecn"].astype(np.uint8), "dscp": cols["dscp"].astype(np.uint8),
+        "aeth_syndrome": cols["aeth_syndrome"].astype(np.int16),
     }

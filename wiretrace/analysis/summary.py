@@ -45,6 +45,7 @@ BATCH_COLUMNS = {
     # optional
     "parallelism": "int8 code into Summary.labels['parallelism'] (-1 unknown)",
     "phase": "int8 code into Summary.labels['phase'] (-1 unknown)",
+    "aeth_syndrome": "int16: AETH syndrome of ACK packets (-1 absent); captures only",
 }
 """Columns of a packet batch (dict of equal-length NumPy arrays)."""
 
@@ -233,6 +234,7 @@ class Summary:
         self.message_source = None
         self.timeline = _Timeline()
         self.out_of_order = 0
+        self.naks = None          # AETH syndromes of ACK packets, when the input has them
 
     # -- input -------------------------------------------------------------------------------
 
@@ -287,6 +289,19 @@ class Summary:
             code = np.where(code < 0, len(acc["packets"]) - 1, code)   # last slot: unknown
             acc["packets"] += np.bincount(code, minlength=len(acc["packets"]))
             acc["bytes"] += np.bincount(code, weights=flen, minlength=len(acc["bytes"])).astype(np.int64)
+
+        # negative acknowledgements: AETH syndrome bits 6-5 (IBTA vol. 1 9.3.5, table 44):
+        # 0 ACK, 1 RNR NAK, 3 NAK (low bits: 0 PSN sequence error, 1 invalid request,
+        # 2 remote access error, 3 remote operational error, 4 invalid RD request)
+        if "aeth_syndrome" in batch:
+            syn = np.asarray(batch["aeth_syndrome"], dtype=np.int64)
+            syn = syn[IS_ACK[op] & (syn >= 0)]
+            if self.naks is None:
+                self.naks = {"rnr_nak": 0, "nak_psn_sequence_error": 0, "nak_other": 0}
+            kind = syn >> 5
+            self.naks["rnr_nak"] += int((kind == 1).sum())
+            self.naks["nak_psn_sequence_error"] += int(((kind == 3) & ((syn & 0x1F) == 0)).sum())
+            self.naks["nak_other"] += int(((kind == 3) & ((syn & 0x1F) != 0)).sum())
 
         # flows and messages
         fid = self.flows.ids(src, dst, np.asarray(batch["udp_sport"]), np.asarray(batch["dest_qp"]))
@@ -502,6 +517,7 @@ class Summary:
             "matrix": self.matrix(),
             "opcodes": {opcode_name(c): int(n) for c, n in enumerate(self.opcodes) if n},
             "acks": acks,
+            "naks": dict(self.naks) if self.naks is not None else None,
             "cnps": int(self.opcodes[CNP_OPCODE]),
             "ecn": {ECN_NAMES[i]: int(n) for i, n in enumerate(self.ecn)},
             "dscp": {str(i): int(n) for i, n in enumerate(self.dscp) if n},
