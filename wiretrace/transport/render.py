@@ -102,17 +102,43 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
         slots = np.empty((n, width), dtype=np.uint8)
     if n == 0:
         return slots, F.caplen, F.frame_len
-    draw = _render_ib if plan.transport.kind == "ib" else _render_roce
-    # Column operations run over blocks of rows that stay in the CPU cache.
+    if n <= BLOCK_ROWS:
+        (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots, prefix, F, packets, topo, plan)
+        return slots, F.caplen, F.frame_len
+    # Column operations run over blocks of rows that stay in the CPU cache; the few IPv4 ICRCs
+    # inside the snap length (ACKs, CNPs, short frames) are computed once for the whole chunk.
+    v4_roce = plan.transport.kind != "ib" and plan.transport.ip_version == 4
     for lo in range(0, n, BLOCK_ROWS):
         hi = min(n, lo + BLOCK_ROWS)
-        if lo == 0 and hi == n:
-            draw(slots, prefix, F, packets, topo, plan)
-            break
         sub = {k: np.asarray(v)[lo:hi] for k, v in packets.items()}
         Fb = _Frames(sub, topo, plan, snaplen)
-        draw(slots[lo:hi], prefix, Fb, sub, topo, plan)
+        if v4_roce:
+            _render_roce(slots[lo:hi], prefix, Fb, sub, topo, plan, crc=False)
+        else:
+            (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots[lo:hi], prefix, Fb, sub, topo, plan)
+    if v4_roce:
+        _icrc_v4_captured(slots, prefix, F, plan)
     return slots, F.caplen, F.frame_len
+
+
+def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
+    """ICRC of the IPv4 RoCEv2 frames captured whole, from their bytes in the slots."""
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if plan.transport.vlan is not None else 0)
+    hb = l2 + H.IPV4.length + H.UDP.length + H.BTH.length
+    limit = prefix + F.caplen
+    icrc_pos = prefix + F.frame_len - H.ICRC_LEN
+    rows = np.nonzero(icrc_pos < limit)[0]
+    if not len(rows):
+        return
+    vals = np.zeros(len(rows), dtype=np.uint32)
+    for el in np.unique(F.ext_len[rows]).tolist():
+        sel = F.ext_len[rows] == el
+        g = rows[sel]
+        masked = C.mask_rocev2(slots[g, prefix + l2:prefix + hb + el], 4)
+        state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
+        k, tail = _tail(C.CRC32, F, g)
+        vals[sel] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
+    _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
 
 
 def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, view_end: int) -> None:
@@ -243,7 +269,7 @@ def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.nd
     return (~s & np.uint32(0xFFFF)).astype(np.uint16)
 
 
-def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
+def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, crc: bool = True) -> None:
     t = plan.transport
     n, width = slots.shape
     vlan = t.vlan is not None
@@ -313,7 +339,10 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan)
             slots[rows, ext_off:] = block
     _zero_pad(slots, ext_off, F)
 
-    # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC)
+    # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC).
+    # For IPv4 the caller may do it once for all blocks (crc=False here).
+    if v4 and not crc:
+        return
     icrc_pos = prefix + F.frame_len - H.ICRC_LEN
     rows = np.arange(n) if not v4 else np.nonzero(icrc_pos < limit)[0]
     if not len(rows):
