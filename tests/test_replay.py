@@ -220,9 +220,10 @@ def test_iface_recorded_timing_and_loop(netns_pair, capture, tmp_path):
     rep = json.loads(r.stdout)
     assert [g for _, g in got] == padded(full) * 2
     assert rep["loops"] == 2 and rep["packets"] == 600
-    # recorded gap 100 µs at speed 2 -> 50 µs; 599 gaps (the second loop follows the first)
+    # recorded gap 100 µs at speed 2 -> 50 µs; each loop spans 299 gaps and the second starts as
+    # the first ends (no loop delay, as tcpreplay without --loopdelay-ms)
     span = got[-1][0] - got[0][0]
-    assert span == pytest.approx(599 * 50e-6, rel=0.05)
+    assert span == pytest.approx(2 * 299 * 50e-6, rel=0.02)
     assert rep["timing_error_p99_ns"] is not None
 
 
