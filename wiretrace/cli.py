@@ -371,6 +371,12 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
     direction (peak-to-mean, CoV, index of dispersion at 1 us..10 ms; on/off periods), link
     utilization, node x node matrix, opcode mix, ACK/CNP counts and ECN marks. Memory stays
     bounded whatever the capture size.
+
+    \b
+    Examples:
+      wiretrace summarize out/iter.pcap --plan samples/plans/gpt2-small-2x4.json
+      wiretrace summarize out/iter.parquet --by phase --line-rate 400Gbps
+      wiretrace summarize capture.pcapng --json > summary.json
     """
     from .analysis import summarize as run
     from .analysis.report import print_text, to_json
@@ -396,6 +402,10 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
 
     Throughput per NIC over time (phases shaded when known), node x node traffic matrix,
     flow- and message-size CDFs and a burst raster, as PNG and SVG in DIR.
+
+    \b
+    Example:
+      wiretrace plot out/iter.parquet --plan samples/plans/gpt2-small-2x4.json -o out/figs --html out/report.html
     """
     from .analysis import analyze
     from .analysis.figures import write_all
@@ -435,6 +445,12 @@ def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, rt_pri
 
     Truncated frames are padded back to their original length. Reports packets, bytes, the
     achieved rate and the timing error.
+
+    \b
+    Examples:
+      wiretrace replay out/iter.pcap --iface veth0 --pps 10000
+      wiretrace replay out/iter.pcap --iface eth1 --speed 0.5 --loop 3
+      wiretrace replay out/iter.pcap --udp 127.0.0.1:4791 --topspeed
     """
     import json
 
