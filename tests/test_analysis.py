@@ -660,3 +660,23 @@ def test_acks_naks_and_rnr_naks_from_aeth(tmp_path):
     assert doc["acks"] == 5 and doc["opcodes"] == {"RC_ACKNOWLEDGE": 5}
     assert doc["naks"] == {"rnr_nak": 1, "nak_psn_sequence_error": 1, "nak_other": 1}
     assert doc["message_sizes"]["count"] == 0
+
+
+def test_non_roce_frames_are_counted_and_skipped(capture_file, tmp_path):
+    from scapy.layers.inet import TCP
+    from scapy.layers.l2 import ARP
+
+    path, frames, sizes = capture_file
+    other = [Ether() / ARP(pdst="10.0.0.2"), Ether() / IP(src="10.0.0.1", dst="10.0.0.9") / TCP(dport=22),
+             Ether() / IP(src="10.0.0.1", dst="10.0.0.9") / UDP(sport=1234, dport=53) / Raw(b"x" * 20)]
+    for i, p in enumerate(other):
+        p.time = frames[0].time + (i + 1) * 1e-7
+    mixed = tmp_path / "mixed.pcap"
+    wrpcap(str(mixed), [frames[0], *other, *frames[1:]])
+    doc = summarize(mixed)
+    assert doc["input"]["frames"] == len(frames) + 3
+    assert doc["input"]["skipped"] == {"not RoCEv2/InfiniBand": 3}
+    assert doc["totals"]["packets"] == len(frames)
+    assert doc["message_sizes"]["sum"] == sum(sizes)
+    r = cli("summarize", str(mixed))
+    assert r.returncode == 0 and "frames skipped: 3 not RoCEv2/InfiniBand" in r.stdout
