@@ -38,6 +38,7 @@ from ..topology import Topology
 from . import headers as H
 from . import icrc as C
 from . import layout
+from .packetize import ACK_SYNDROME
 
 PAYLOAD_PATTERN = (np.arange(1 << 16) & 0xFF).astype(np.uint8)
 """Payload bytes: byte ``i`` of a packet's payload is ``i mod 256``."""
@@ -141,7 +142,7 @@ def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
     _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
 
 
-def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, view_end: int) -> None:
+def _fill_ext_and_payload(slots, off: int, F: _Frames, packets) -> None:
     """Extension headers at column ``off`` (after BTH), payload pattern after them, zero pad."""
     n, width = slots.shape
     span = width - off
@@ -150,27 +151,9 @@ def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, view_end: int) -
     # Most packets (MIDDLE) have no extension header: write the payload pattern for all rows,
     # then rewrite the rows that do carry extension headers.
     slots[:, off:] = PAYLOAD_PATTERN[:span]
-    opcode = F.opcode
-    for code in np.unique(opcode[F.ext_len > 0]).tolist():
-        rows = np.nonzero(opcode == code)[0]
-        op = H.OPCODES[code]
-        parts = []
-        for hname in op.ext:
-            hdr = H.HEADERS[hname]
-            vals = {}
-            if hname == "reth":
-                mid = _col(packets, "msg_id", np.int64)[rows]
-                vals = {"va": (RETH_VA_BASE + ((mid & 0xFFFF) << 24)).astype(np.uint64),
-                        "rkey": (RKEY_BASE + (F.dst[rows] & 0xFFFFF)).astype(np.uint32),
-                        "dmalen": (_col(packets, "dma_len", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
-            elif hname == "immdt":
-                vals = {"imm": (_col(packets, "msg_id", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
-            elif hname == "aeth":
-                from .packetize import ACK_SYNDROME
-                vals = {"syndrome": ACK_SYNDROME,
-                        "msn": (_col(packets, "msn", np.int64)[rows] & 0xFFFFFF).astype(np.uint32)}
-            parts.append(hdr.pack(len(rows), vals))
-        ext = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    for code in np.unique(F.opcode[F.ext_len > 0]).tolist():
+        rows = np.nonzero(F.opcode == code)[0]
+        ext = _ext_rows(F, packets, code, rows)
         el = ext.shape[1]
         block = np.empty((len(rows), span), dtype=np.uint8)
         k = min(el, span)
@@ -178,15 +161,7 @@ def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, view_end: int) -
         if span > el:
             block[:, el:] = PAYLOAD_PATTERN[:span - el]
         slots[rows, off:] = block
-    # pad bytes are zero (only packets whose payload is not a multiple of 4 have any)
-    padded = np.nonzero(F.pad > 0)[0]
-    if len(padded):
-        start = off + F.ext_len[padded] + F.payload[padded]
-        flat = slots.reshape(-1)
-        for j in range(3):
-            sel = (j < F.pad[padded]) & (start + j < view_end)
-            pos = padded[sel] * width + start[sel] + j
-            flat[pos] = 0
+    _zero_pad(slots, off, F)
 
 
 def _scatter_trailer(slots, rows: np.ndarray, pos: np.ndarray, data: np.ndarray, limit: np.ndarray) -> None:
@@ -206,8 +181,6 @@ def _tail(crc: C.Crc, F: _Frames, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def _ext_rows(F: _Frames, packets, code: int, rows: np.ndarray) -> np.ndarray:
     """Packed extension headers of opcode ``code`` for ``rows``: ``(len(rows), ext_len)``."""
-    from .packetize import ACK_SYNDROME
-
     parts = []
     for hname in H.OPCODES[code].ext:
         hdr = H.HEADERS[hname]
@@ -441,7 +414,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -
         _put(block, off, bth)
         ext_off = off + H.BTH.length
         sub_packets = {k: np.asarray(v)[rows] for k, v in packets.items()}
-        _fill_ext_and_payload(block, ext_off, sub, sub_packets, width)
+        _fill_ext_and_payload(block, ext_off, sub, sub_packets)
 
         icrc_pos = prefix + sub.frame_len - H.ICRC_LEN - H.VCRC_LEN
         lim = limit[rows]
