@@ -712,3 +712,19 @@ def test_rendering_in_blocks_gives_the_same_bytes(monkeypatch, transport, snaple
         for i in range(len(off) - 1):
             frame = bytes(buf[off[i]:off[i + 1]])
             assert C.icrc_scalar(frame, l3) == int.from_bytes(frame[-4:], "little")
+
+
+def test_large_messages_and_late_times():
+    plan, topo = make_plan({"path_mtu": 4096})
+    hour = 3600 * 10**9
+    m = make_messages([1 << 30], [0], [2], [hour])
+    m["t_end_ns"][0] = hour + 10 * 10**9          # a slow link: 10 s for 1 GiB
+    p = all_packets(m, topo, plan)
+    data = p["opcode"] != 0x11
+    assert int(data.sum()) == (1 << 30) // 4096 and int(p["payload_len"][data].sum()) == 1 << 30
+    ts = p["ts_ns"][data]
+    assert ts[0] == hour and (np.diff(ts) > 0).all()
+    assert 0 <= (m["t_end_ns"][0] - 2000) - ts[-1] < 10 * 10**9 // ((1 << 30) // 4096) + 2
+    big = make_messages([(1 << 31) + 1], [0], [2], [0])
+    with pytest.raises(WiretraceError, match="2 GiB"):
+        list(packetize(big, topo, plan))

@@ -59,6 +59,8 @@ RQ_DEPTH = 256
 CREDIT_CODE = max(i for i, c in enumerate(CREDIT_TABLE) if c <= RQ_DEPTH)
 ACK_SYNDROME = CREDIT_CODE  # bits 7..5 = 000 (ACK), 4..0 = credit code
 CNP_DSCP = 48
+MAX_MESSAGE_BYTES = 1 << 31
+"""Largest RDMA message (IBTA vol. 1 9.4.1: 2^31 bytes)."""
 CNP_ECN = 2
 DEFAULT_CNP_INTERVAL_NS = 4000
 
@@ -144,6 +146,10 @@ class _Messages:
         self.bytes = np.asarray(m["wire_bytes"], dtype=np.int64)
         if (self.bytes < 0).any():
             raise WiretraceError(f"messages: negative wire_bytes in msg_id {int(self.msg_id[np.argmax(self.bytes < 0)])}")
+        if (self.bytes > MAX_MESSAGE_BYTES).any():
+            i = int(np.argmax(self.bytes > MAX_MESSAGE_BYTES))
+            raise WiretraceError(f"messages: msg_id {int(self.msg_id[i])} has {int(self.bytes[i]):,} bytes, more than "
+                                 f"the 2 GiB an RDMA message can carry (IBTA: 2^31 bytes, RETH DMA length)")
         verbs = _str_col(m["verb"])
         unknown = sorted(set(np.unique(verbs).tolist()) - set(VERB_CODE))
         if unknown:
@@ -264,7 +270,11 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
     own = np.ceil(msg_total * 8 / M.rate * 1e9).astype(np.int64)
     span = np.where(span > 0, span, own)
     before = k * np.repeat(w_mid, npk) + np.where(k > 0, np.repeat(w_first - w_mid, npk), 0)
-    ts = rep(M.t_start) + (np.repeat(span, npk) * before) // np.repeat(np.maximum(msg_total, 1), npk)
+    # span * before / total without overflowing int64: (span // total) * before + the remainder
+    total_b = np.maximum(msg_total, 1)
+    whole, rest = np.divmod(span, total_b)
+    ts = (rep(M.t_start) + np.repeat(whole, npk) * before
+          + (np.repeat(rest, npk) * before) // np.repeat(total_b, npk))
 
     psn = (rep(M.psn0) + k) & (PSN_MOD - 1)
     is_read = M.is_read[sl]
