@@ -62,14 +62,15 @@ class _Frames:
 
     def __init__(self, packets, topo: Topology, plan: Plan, snaplen: int):
         self.n = len(packets["ts_ns"])
+        # the packets table's own dtypes (int32 lengths and NIC indices): views, not copies
         self.opcode = _col(packets, "opcode", np.uint8)
-        self.frame_len = _col(packets, "frame_len", np.int64)
-        self.payload = _col(packets, "payload_len", np.int64)
-        self.pad = _col(packets, "pad", np.int64)
-        self.src = _col(packets, "src_nic", np.int64)
-        self.dst = _col(packets, "dst_nic", np.int64)
-        self.caplen = self.frame_len if snaplen <= 0 else np.minimum(self.frame_len, snaplen)
-        self.ext_len = H.EXT_LEN[self.opcode].astype(np.int64)
+        self.frame_len = _col(packets, "frame_len", np.int32)
+        self.payload = _col(packets, "payload_len", np.int32)
+        self.pad = _col(packets, "pad", np.int32)
+        self.src = _col(packets, "src_nic", np.int32)
+        self.dst = _col(packets, "dst_nic", np.int32)
+        self.caplen = self.frame_len if snaplen <= 0 else np.minimum(self.frame_len, np.int32(snaplen))
+        self.ext_len = H.EXT_LEN[self.opcode]
 
 
 def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix: int = 0,
