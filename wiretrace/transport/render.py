@@ -143,6 +143,18 @@ def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
     _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
 
 
+def _ext_groups(F: _Frames) -> dict[int, np.ndarray]:
+    """Rows of each opcode that carries extension headers (few rows: FIRST, LAST, ONLY, ACK)."""
+    idx = np.flatnonzero(F.ext_len)
+    if not len(idx):
+        return {}
+    codes = F.opcode[idx]
+    order = np.argsort(codes, kind="stable")
+    codes, idx = codes[order], idx[order]
+    cut = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1], True])
+    return {int(codes[cut[i]]): idx[cut[i]:cut[i + 1]] for i in range(len(cut) - 1)}
+
+
 def _fill_ext_and_payload(slots, off: int, F: _Frames, packets) -> None:
     """Extension headers at column ``off`` (after BTH), payload pattern after them, zero pad."""
     n, width = slots.shape
@@ -152,8 +164,7 @@ def _fill_ext_and_payload(slots, off: int, F: _Frames, packets) -> None:
     # Most packets (MIDDLE) have no extension header: write the payload pattern for all rows,
     # then rewrite the rows that do carry extension headers.
     slots[:, off:] = PAYLOAD_PATTERN[:span]
-    for code in np.unique(F.opcode[F.ext_len > 0]).tolist():
-        rows = np.nonzero(F.opcode == code)[0]
+    for code, rows in _ext_groups(F).items():
         ext = _ext_rows(F, packets, code, rows)
         el = ext.shape[1]
         block = np.empty((len(rows), span), dtype=np.uint8)
@@ -297,7 +308,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
         _put(slots, prefix, hdr[:, :hb])
         if width > ext_off:
             slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
-    groups = {code: np.nonzero(F.opcode == code)[0] for code in np.unique(F.opcode[F.ext_len > 0]).tolist()}
+    groups = _ext_groups(F)
     span = width - ext_off
     for code, rows in groups.items():
         ext = _ext_rows(F, packets, code, rows)
