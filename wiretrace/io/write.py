@@ -253,44 +253,50 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
     writers: dict[int, _File] = {}
     lru: dict[int, _File] = {}                     # open files, least recently written first
     header = fmt.file_header()
-    packets = 0
-    buf = None
+    buf: list[np.ndarray | None] = [None]
     rotated: dict[int, int] = {}
     all_files: list[_File] = []
+
+    def put(chunk: dict) -> None:
+        slots, reclen = _records(fmt, chunk, buf[0])
+        if buf[0] is None or buf[0].size < slots.size:
+            buf[0] = slots.reshape(-1)
+        src = np.asarray(chunk["src_nic"], dtype=np.int64)
+        order = np.argsort(src, kind="stable")
+        s = src[order]
+        bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])
+        for i in range(len(bounds) - 1):      # one iteration per NIC present in the chunk
+            rows = order[bounds[i]:bounds[i + 1]]
+            nic = int(s[bounds[i]])
+            f = writers.get(nic)
+            name = fmt.topo.nic_name(nic).replace("/", "-")
+            if f is None:
+                f = _File(directory / f"{name}{ext}", header)
+                writers[nic] = f
+                all_files.append(f)
+            sub = np.ascontiguousarray(slots[rows])
+            rl = reclen[rows]
+            if max_file_size is not None and f.size + int(rl.sum()) > max_file_size and f.packets:
+                f.close()
+                rotated[nic] = rotated.get(nic, 0) + 1
+                f = _File(directory / f"{name}{ext}{rotated[nic]}", header)
+                writers[nic] = f
+                all_files.append(f)
+            f.write(slot_pieces(sub, rl), int(rl.sum()), len(rows))
+            lru.pop(nic, None)
+            lru[nic] = f
+            if len(lru) > MAX_OPEN_FILES:       # close the least recently written file
+                oldest = next(iter(lru))
+                lru.pop(oldest).close()
+
+    packets = 0
     try:
         for chunk in packet_chunks:
             n = len(chunk["ts_ns"])
             if n == 0:
                 continue
-            slots, reclen = _records(fmt, chunk, buf)
-            src = np.asarray(chunk["src_nic"], dtype=np.int64)
-            order = np.argsort(src, kind="stable")
-            s = src[order]
-            bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])
-            for i in range(len(bounds) - 1):      # one iteration per NIC present in the chunk
-                rows = order[bounds[i]:bounds[i + 1]]
-                nic = int(s[bounds[i]])
-                f = writers.get(nic)
-                name = fmt.topo.nic_name(nic).replace("/", "-")
-                if f is None:
-                    f = _File(directory / f"{name}{ext}", header)
-                    writers[nic] = f
-                    all_files.append(f)
-                sub = np.ascontiguousarray(slots[rows])
-                rl = reclen[rows]
-                if max_file_size is not None and f.size + int(rl.sum()) > max_file_size and f.packets:
-                    f.close()
-                    rotated[nic] = rotated.get(nic, 0) + 1
-                    f = _File(directory / f"{name}{ext}{rotated[nic]}", header)
-                    writers[nic] = f
-                    all_files.append(f)
-                f.write(slot_pieces(sub, rl), int(rl.sum()), len(rows))
-                lru.pop(nic, None)
-                lru[nic] = f
-                if len(lru) > MAX_OPEN_FILES:       # close the least recently written file
-                    _, old = next(iter(lru.items()))
-                    old.close()
-                    lru.pop(next(iter(lru)))
+            for part in _byte_bounded(chunk, fmt):
+                put(part)
             packets += n
             if progress:
                 progress(packets)
