@@ -301,8 +301,9 @@ def explain(plan_path, corpus, tokenizer, as_json):
               help="Violations kept with their messages (all are counted).")
 @click.option("--show", type=click.IntRange(min=0), default=50, show_default=True,
               help="Violations listed in the text report.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
-def validate(capture, as_json, max_violations, show):
+def validate(capture, as_json, max_violations, show, quiet):
     """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other).
 
     Per frame: IPv4 header checksum, ICRC (and VCRC for native IB), lengths and pad count. Per
@@ -316,7 +317,11 @@ def validate(capture, as_json, max_violations, show):
 
     from .transport.validate import print_report, validate_capture
 
-    report = validate_capture(capture, max_violations=max_violations)
+    bar = _Progress(quiet)
+    try:
+        report = validate_capture(capture, max_violations=max_violations, progress=bar)
+    finally:
+        bar.close()
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))
     else:

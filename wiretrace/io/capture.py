@@ -564,6 +564,19 @@ class Capture:
             origs = np.maximum(np.array(origs, dtype=np.int64), np.array(caps, dtype=np.int64))
             yield self._build(ts, caps, origs, [0] * len(caps), parts)
 
+    @property
+    def position(self) -> int:
+        """Bytes of the file consumed so far (for progress reports)."""
+        return self._win.offset
+
+    @property
+    def size(self) -> int:
+        """Size of the file in bytes (0 when unknown)."""
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
     def _cut(self, needed: int) -> None:
         """Record that the file ends inside the next record."""
         self.truncated = Truncation(frame=self.frames + self._pending + 1,

@@ -801,7 +801,7 @@ class _StreamChecker:
 # ----------------------------------------------------------------------------------------------
 
 def validate_capture(path: str | Path, max_violations: int = 1000,
-                     batch_frames: int = DEFAULT_MAX_FRAMES) -> Report:
+                     batch_frames: int = DEFAULT_MAX_FRAMES, progress=None) -> Report:
     """Check every RoCEv2 / InfiniBand frame of a capture; see the module docstring.
 
     Parameters
@@ -809,6 +809,8 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
     path : pcap, pcapng or ERF file.
     max_violations : most violations kept with their messages (all are counted).
     batch_frames : frames read and checked per batch (memory bound; results do not depend on it).
+    progress : optional callable ``progress(stage, done, total)`` called after each batch with
+        the bytes of the file read so far and the file size.
 
     Returns
     -------
@@ -834,6 +836,8 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
                 _check_lengths(batch, cols, rep)
                 _check_pad_opcode(cols, rep)
                 streams.feed(cols)
+            if progress is not None:
+                progress("validate", cap.position, cap.size or None)
         rep.checked["capture"] = 1
         if cap.truncated is not None:
             t = cap.truncated
