@@ -220,3 +220,18 @@ def test_pcap_write_function_and_progress(tmp_path, roce):
     assert seen[-1] == stats["packets"] == len(p["ts_ns"])
     assert seen == sorted(seen)
     assert oct((tmp_path / "p.pcap").stat().st_mode & 0o777) != "0o600"
+
+
+@pytest.mark.parametrize("split", [None, "nic"])
+def test_frames_rendered_in_small_pieces_give_the_same_files(tmp_path, roce, monkeypatch, split):
+    import wiretrace.io.write as W
+
+    plan, topo, p = roce
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_capture(a / "x.pcapng" if split is None else a, [p], topo, plan, snaplen=0, split=split)
+    monkeypatch.setattr(W, "SLOT_BYTES", 3000)          # about one 1 KiB frame per piece
+    write_capture(b / "x.pcapng" if split is None else b, [p], topo, plan, snaplen=0, split=split)
+    names = sorted(f.name for f in a.iterdir())
+    assert names == sorted(f.name for f in b.iterdir()) and names
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes()

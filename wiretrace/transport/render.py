@@ -489,7 +489,10 @@ def render(packets, topo: Topology, plan: Plan, snaplen: int = 128
     origlen : ``(n,)`` int64 frame length on the wire.
     """
     slots, caplen, origlen = render_slots(packets, topo, plan, snaplen)
-    pieces = slot_pieces(slots, caplen)
-    buf = np.frombuffer(b"".join(pieces), dtype=np.uint8) if pieces else np.zeros(0, np.uint8)
     offsets = np.r_[0, np.cumsum(caplen)].astype(np.int64)
+    buf = np.empty(int(offsets[-1]), dtype=np.uint8)
+    pos = 0
+    for piece in slot_pieces(slots, caplen):       # runs of whole rows, split at short frames
+        buf[pos:pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        pos += len(piece)
     return buf, offsets, caplen, origlen
