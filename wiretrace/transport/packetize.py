@@ -226,8 +226,8 @@ class _Messages:
         return np.ceil((frame_len.astype(np.int64) + self.wire_extra) * 8 / self.rate * 1e9).astype(np.int64)
 
 
-def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
-    """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted."""
+def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
+    """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted, as column dicts."""
     sl = slice(lo, hi)
     npk = M.npk[sl]
     total = int(npk.sum())
@@ -349,7 +349,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
         })
-    return _concat(parts)
+    return parts
 
 
 class _Marker:
@@ -511,8 +511,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
         # messages starting at the same ns go together so the boundary below is strict
         if hi < M.n:
             hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
-        new = _expand(M, lo, hi)
-        pool = _concat([pending, new])
+        pool = _concat([pending] + _expand(M, lo, hi))
         boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
         lo = hi
         o = _order(pool)
