@@ -2,8 +2,10 @@
 
 A writer takes the packets table as time-ordered chunks, renders each chunk's frames into a slot
 array with room for the format's record header before each frame (and trailer after it), fills the
-record headers as one structured-array assignment, and hands the rows to the kernel with
-``os.writev`` — no per-packet Python code, no extra copy of the frame bytes.
+record headers with column stores, and hands the rows to the kernel with ``os.writev`` — no
+per-packet Python code, no extra copy of the frame bytes. Producing the next chunk (the caller's
+generator), rendering and writing run on three threads at once (:func:`write_stream`); whole
+frames are rendered in pieces of :data:`SLOT_BYTES` so that memory stays bounded.
 
 Files are written under a temporary name beside the target and renamed when complete, so a failed
 run leaves nothing behind. :func:`write_capture` adds the two ways of cutting a capture: one file
