@@ -238,6 +238,13 @@ def _nic_mac64(topo: Topology) -> np.ndarray:
 _IPV4_BASE_SUM = None
 
 
+def _uniform(col: np.ndarray):
+    """``col``'s single value as a Python int when every row holds it, else ``col``."""
+    if len(col) and not (col != col[0]).any():
+        return int(col[0])
+    return col
+
+
 def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.ndarray:
     """RFC 1071 checksum of the IPv4 headers from their columns: the constant words (version,
     IHL, flags, TTL, protocol) summed once, the varying ones added per row."""
@@ -247,8 +254,8 @@ def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.nd
         _IPV4_BASE_SUM = int(t.view(">u2").astype(np.uint32).sum())
     ip = topo.nic_ipv4.astype(np.uint32)
     words = (ip >> np.uint32(16)) + (ip & np.uint32(0xFFFF))
-    s = (np.uint32(_IPV4_BASE_SUM) + ((dscp.astype(np.uint32) << np.uint32(2)) | ecn) + total + ident
-         + words[F.src] + words[F.dst])
+    tos = (np.asarray(dscp).astype(np.uint32) << np.uint32(2)) | np.asarray(ecn).astype(np.uint32)
+    s = np.uint32(_IPV4_BASE_SUM) + tos + total + ident + words[F.src] + words[F.dst]
     s = (s & np.uint32(0xFFFF)) + (s >> np.uint32(16))
     s = (s & np.uint32(0xFFFF)) + (s >> np.uint32(16))
     return (~s & np.uint32(0xFFFF)).astype(np.uint16)
@@ -282,9 +289,9 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
                         "type": H.ETHERTYPE_VLAN if vlan else ip_type}, out=hdr[:, :H.ETHERNET.length])
     if vlan:
         H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}, out=hdr[:, H.ETHERNET.length:l2])
-    dscp = _col(packets, "dscp", np.uint8)
-    ecn = _col(packets, "ecn", np.uint8)
-    psn = _col(packets, "psn", np.int64)
+    dscp = _uniform(_col(packets, "dscp", np.uint8))    # one value for most blocks: a scalar
+    ecn = _uniform(_col(packets, "ecn", np.uint8))
+    psn = _col(packets, "psn")
     if v4:
         total = (F.frame_len - l2).astype(np.uint32)
         ident = (psn & 0xFFFF).astype(np.uint32)
@@ -295,12 +302,12 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     else:
         H.IPV6.pack(n, {"dscp": dscp, "ecn": ecn, "payload_length": (F.frame_len - udp_at).astype(np.uint16),
                         "src": topo.nic_ipv6[F.src], "dst": topo.nic_ipv6[F.dst]}, out=hdr[:, l2:udp_at])
-    H.UDP.pack(n, {"sport": _col(packets, "udp_sport", np.int64).astype(np.uint16),
+    H.UDP.pack(n, {"sport": _col(packets, "udp_sport").astype(np.uint16),
                    "length": (F.frame_len - udp_at).astype(np.uint16)}, out=hdr[:, udp_at:udp_at + H.UDP.length])
     is_cnp = F.opcode == H.CNP_OPCODE
-    bth = {"opcode": F.opcode, "padcnt": F.pad.astype(np.uint8),
-           "destqp": _col(packets, "dest_qp", np.int64).astype(np.uint32),
-           "ackreq": _col(packets, "ack_req").astype(np.uint8), "psn": psn.astype(np.uint32)}
+    bth = {"opcode": F.opcode, "padcnt": _col(packets, "pad", np.uint8),
+           "destqp": _col(packets, "dest_qp").astype(np.uint32),
+           "ackreq": _col(packets, "ack_req", np.bool_).view(np.uint8), "psn": psn.astype(np.uint32)}
     if is_cnp.any():
         bth.update(migreq=(~is_cnp).astype(np.uint8), becn=is_cnp.astype(np.uint8))
     H.BTH.pack(n, bth, out=hdr[:, udp_at + H.UDP.length:hb])
