@@ -729,3 +729,12 @@ def test_large_messages_and_late_times():
     big = make_messages([(1 << 31) + 1], [0], [2], [0])
     with pytest.raises(WiretraceError, match="2 GiB"):
         list(packetize(big, topo, plan))
+
+
+def test_pack_truncates_arrays_to_the_field_width():
+    wide = np.array([0x1FF, 0x12345], dtype=np.int64)        # too wide for 8 and 16 bits
+    rows = H.UDP.pack(2, {"sport": wide, "dport": wide, "length": np.array([1, 2], np.uint16)})
+    assert rows[0].tobytes().hex() == "01ff01ff00010000"
+    assert rows[1].tobytes().hex() == "2345234500020000"
+    bth = H.BTH.pack(1, {"opcode": np.array([0x1AB]), "psn": np.array([0x1FFFFFF])})
+    assert bth.tobytes().hex() == "ab40ffff00000000" + "00ffffff"

@@ -213,7 +213,7 @@ class Header:
                 raise ValueError(f"{self.name}.{name}: a {f.bits}-bit field needs (n, {f.bits // 8}) uint8 rows")
         if n == 0:
             return out
-        plan = self._word_plan(tuple(k for k, v in arrays.items() if v.ndim == 1),
+        plan = self._word_plan(tuple((k, v.dtype.itemsize) for k, v in arrays.items() if v.ndim == 1),
                                tuple(k for k, v in arrays.items() if v.ndim == 2))
         wide = out if out.strides[-1] == 1 else None
         as64: dict[str, np.ndarray] = {}
@@ -275,7 +275,7 @@ class Header:
                 size = next(s for s in (8, 4, 2, 1) if b + s <= e)
                 w0, w1 = 8 * b, 8 * (b + size)
                 parts = []
-                for name in ints:
+                for name, itemsize in ints:
                     f = self.by_name[name]
                     f0, f1 = f.offset, f.offset + f.bits
                     lo, hi = max(w0, f0), min(w1, f1)
@@ -283,8 +283,8 @@ class Header:
                         continue
                     ln = hi - lo
                     sr, sl = f1 - hi, w1 - hi
-                    # exact: the whole field lies in this word and nothing else is in its dtype
-                    exact = (f0 >= w0 and f1 <= w1 and f.bits in (8, 16, 32, 64))
+                    # exact: the whole field lies in this word and its dtype holds nothing more
+                    exact = f0 >= w0 and f1 <= w1 and f.bits == 8 * itemsize
                     parts.append((name, sr, (1 << ln) - 1, sl, exact))
                 plan.append((b, size, parts))
                 b += size
