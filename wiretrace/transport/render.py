@@ -293,8 +293,8 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     ecn = _uniform(_col(packets, "ecn", np.uint8))
     psn = _col(packets, "psn")
     if v4:
-        total = (F.frame_len - l2).astype(np.uint32)
-        ident = (psn & 0xFFFF).astype(np.uint32)
+        total = (F.frame_len - l2).astype(np.uint16)
+        ident = psn.astype(np.uint16)             # PSN mod 2^16
         H.IPV4.pack(n, {"dscp": dscp, "ecn": ecn, "total_length": total, "id": ident,
                         "src": topo.nic_ipv4[F.src], "dst": topo.nic_ipv4[F.dst],
                         "checksum": _ipv4_checksum(topo, F, dscp, ecn, total, ident)},
