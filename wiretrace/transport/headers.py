@@ -4,8 +4,9 @@ Every header below is a table of fields in wire order, most significant bit firs
 declares ``__hdr__`` and scapy declares ``fields_desc``. From one declaration :class:`Header`
 derives both directions, over whole columns at once:
 
-* :meth:`Header.pack` fills an ``(n, length)`` uint8 array from columns (scalars are packed once
-  into a template row and broadcast; arrays are shifted into place column-wise);
+* :meth:`Header.pack` fills an ``(n, length)`` uint8 array from columns: the header is cut into
+  big-endian 64/32/16/8-bit words, scalars are folded into each word's constant once, array
+  fields are shifted into their words, and each word is stored for all rows at once;
 * :meth:`Header.parse` turns an ``(n, >= length)`` uint8 array back into columns.
 
 Field values are unsigned integers. Fields wider than 64 bits (IPv6 addresses, GIDs) and the MAC
