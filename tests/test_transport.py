@@ -738,3 +738,25 @@ def test_pack_truncates_arrays_to_the_field_width():
     assert rows[1].tobytes().hex() == "2345234500020000"
     bth = H.BTH.pack(1, {"opcode": np.array([0x1AB]), "psn": np.array([0x1FFFFFF])})
     assert bth.tobytes().hex() == "ab40ffff00000000" + "00ffffff"
+
+
+@pytest.mark.parametrize("transport", [
+    {"ecn_marking": {"fraction": 0.2, "cnp_interval": "1us"}},
+    {"ecn_marking": {"queue_bytes": "8KiB"}},
+    {"verb": "read"},
+    {"ack": {"every_packets": 4}},
+    {"ack": {"window": "3us"}},
+])
+def test_output_does_not_depend_on_chunk_size(transport):
+    plan, topo = make_plan(transport, nodes=3)
+    rng = np.random.default_rng(12)
+    n = 150
+    src = rng.integers(0, 6, n)
+    dst = (src + 2 + rng.integers(0, 2, n)) % 6
+    m = make_messages(rng.integers(0, 20000, n), src, dst, np.sort(rng.integers(10_000, 300_000, n)))
+    small = list(packetize(m, topo, plan, chunk_packets=5))
+    big = all_packets(m, topo, plan, chunk_packets=1 << 20)
+    joined = {k: np.concatenate([c[k] for c in small]) for k in small[0]}
+    for k in big:
+        np.testing.assert_array_equal(joined[k], big[k], err_msg=k)
+    assert (np.diff(big["ts_ns"]) >= 0).all()
