@@ -760,3 +760,16 @@ def test_output_does_not_depend_on_chunk_size(transport):
     for k in big:
         np.testing.assert_array_equal(joined[k], big[k], err_msg=k)
     assert (np.diff(big["ts_ns"]) >= 0).all()
+
+
+@pytest.mark.parametrize("transport", [{}, {"ip_version": 6}, {"kind": "ib"}, {"kind": "ib", "grh": True},
+                                       {"vlan": 3, "verb": "read"}])
+def test_every_snap_length_keeps_a_prefix_of_the_whole_frame(transport):
+    plan, topo = make_plan(transport)
+    p = all_packets(_mixed_messages(), topo, plan)
+    full, foff, _, _ = render(p, topo, plan, snaplen=0)
+    for snap in (1, 10, 20, 57, 66, 100):
+        buf, off, cap, orig = render(p, topo, plan, snaplen=snap)
+        np.testing.assert_array_equal(orig, p["frame_len"])
+        for i in range(len(cap)):
+            assert bytes(buf[off[i]:off[i + 1]]) == bytes(full[foff[i]:foff[i] + cap[i]])
