@@ -773,3 +773,20 @@ def test_every_snap_length_keeps_a_prefix_of_the_whole_frame(transport):
         np.testing.assert_array_equal(orig, p["frame_len"])
         for i in range(len(cap)):
             assert bytes(buf[off[i]:off[i + 1]]) == bytes(full[foff[i]:foff[i] + cap[i]])
+
+
+@pytest.mark.parametrize("snaplen", [0, 128])
+def test_ipv6_udp_checksum_verified_by_tshark(tmp_path, snaplen):
+    plan, topo = make_plan({"ip_version": 6, "ecn_marking": {"fraction": 0.3}})
+    p = all_packets(_mixed_messages(), topo, plan)
+    path = tmp_path / "v6.pcap"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    rows = tshark_fields(path, ["udp.checksum.status", "ipv6.plen"], ["-o", "udp.check_checksum:TRUE"])
+    assert {r[0] for r in rows} == {"1"}                  # 1 = good
+    assert [int(r[1]) for r in rows] == (p["frame_len"] - 54).tolist()
+    if snaplen:   # the checksum of a truncated frame is the whole frame's
+        cut = tmp_path / "cut.pcap"
+        write_capture(cut, [p], topo, plan, snaplen=snaplen)
+        a = tshark_fields(path, ["udp.checksum"])
+        b = tshark_fields(cut, ["udp.checksum"])
+        assert a == b

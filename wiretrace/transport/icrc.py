@@ -32,6 +32,10 @@ import numpy as np
 
 
 
+POSITIONAL_MAX_WIDTH = 192
+"""Inputs up to this many bytes (headers) use per-position tables; longer ones the byte loop."""
+
+
 class Crc:
     """A reflected CRC of ``width`` bits (16 or 32) with polynomial ``poly`` (reflected form),
     ``init`` and ``xorout``; register operations vectorized over rows.
@@ -83,21 +87,47 @@ class Crc:
         ``(n,)`` registers of :attr:`dtype`.
         """
         buf = np.asarray(buf, dtype=np.uint8)
-        n = buf.shape[0]
+        n, width = buf.shape
+        if np.ndim(state) == 0 and n > 16 and 0 < width <= POSITIONAL_MAX_WIDTH:
+            return self._update_positional(int(state), buf)
         s = np.empty(n, dtype=self.dtype)
         s[...] = state
         t = self.table
         eight = self.dtype.type(8)
-        for j in range(buf.shape[1]):
-            col = buf[:, j]
-            c0 = col[0] if n else 0
-            if n > 64 and not (col != c0).any():
-                # one byte value in the whole column: still needs per-row state, but the xor
-                # with a scalar is cheaper than with a column
-                s = t[(s ^ self.dtype.type(c0)) & 0xFF] ^ (s >> eight)
-            else:
-                s = t[(s ^ col) & 0xFF] ^ (s >> eight)
+        for j in range(width):
+            s = t[(s ^ buf[:, j]) & 0xFF] ^ (s >> eight)
         return s
+
+    def _update_positional(self, state: int, buf: np.ndarray) -> np.ndarray:
+        """:meth:`update` from one initial register for all rows, by linearity: the register
+        after ``L`` bytes is the initial register shifted through ``L`` zero bytes XOR the
+        contribution of each byte at its position, read from a per-position table. A column
+        holding one value in every row contributes a constant, computed once."""
+        n, width = buf.shape
+        pos = self._position_tables(width)
+        const = int(self.shift(np.array([state], dtype=self.dtype), width)[0])
+        s = None
+        for j in range(width):
+            col = buf[:, j]
+            c0 = col[0]
+            if not (col != c0).any():
+                const ^= int(pos[j, c0])
+            else:
+                v = pos[j][col]
+                s = v if s is None else (s ^ v)
+        if s is None:
+            return np.full(n, const, dtype=self.dtype)
+        return s ^ self.dtype.type(const)
+
+    @functools.lru_cache(maxsize=64)
+    def _position_tables(self, width: int) -> np.ndarray:
+        """``(width, 256)``: register contribution of byte value ``b`` at position ``j`` of a
+        ``width``-byte input started from a zero register, ``R(0, b)`` shifted through the
+        ``width - 1 - j`` bytes after it."""
+        out = np.empty((width, 256), dtype=self.dtype)
+        for j in range(width):
+            out[j] = self.shift(self.table, width - 1 - j)
+        return out
 
     @functools.lru_cache(maxsize=512)
     def _shift_tables(self, k: int) -> np.ndarray:
