@@ -59,6 +59,10 @@ def test_pcap_header_records_and_nanosecond_times(tmp_path, roce):
         assert r.datalink() == 1
         ts = [t for t, _ in r]
     assert float(ts[0]) == pytest.approx(p["ts_ns"][0] / 1e9)
+    rows = tshark_fields(path, ["frame.time_epoch", "frame.len", "frame.cap_len"])
+    assert [int(r[0].replace(".", "")) for r in rows] == p["ts_ns"].tolist()
+    assert [int(r[1]) for r in rows] == p["frame_len"].tolist()
+    assert [int(r[2]) for r in rows] == np.minimum(p["frame_len"], 80).tolist()
 
 
 def test_whole_frames_with_snaplen_zero(tmp_path, roce):
@@ -105,9 +109,11 @@ def test_pcapng_one_interface_per_nic(tmp_path, roce):
     assert [e[1] for e in epbs] == p["ts_ns"].tolist()
     assert [e[2] for e in epbs] == np.minimum(p["frame_len"], 96).tolist()
     assert [e[3] for e in epbs] == p["frame_len"].tolist()
-    rows = tshark_fields(path, ["frame.interface_name", "infiniband.bth.psn"])
+    rows = tshark_fields(path, ["frame.interface_name", "infiniband.bth.psn", "frame.time_epoch"])
     assert [r[0] for r in rows] == [topo.nic_name(int(k)) for k in p["src_nic"]]
     assert [int(r[1]) for r in rows] == p["psn"].tolist()
+    # nanosecond resolution as tshark reads it (seconds.nanoseconds)
+    assert [int(r[2].replace(".", "")) for r in rows] == p["ts_ns"].tolist()
 
 
 def test_erf_type21_records_for_native_ib(tmp_path):
