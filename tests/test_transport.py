@@ -790,3 +790,14 @@ def test_ipv6_udp_checksum_verified_by_tshark(tmp_path, snaplen):
         a = tshark_fields(path, ["udp.checksum"])
         b = tshark_fields(cut, ["udp.checksum"])
         assert a == b
+
+
+def test_ack_syndrome_is_an_ack_with_credits(tmp_path):
+    plan, topo = make_plan()
+    p = all_packets(serial_messages([100, 5000]), topo, plan)
+    path = tmp_path / "ack.pcap"
+    write_capture(path, [p], topo, plan)
+    rows = [r for r in tshark_fields(path, ["infiniband.bth.opcode", "infiniband.aeth.syndrome.opcode",
+                                            "infiniband.aeth.syndrome.credit_count"]) if r[0] == "17"]
+    # AETH syndrome 0b0_00_CCCCC: ACK, credit code 16 = 256 receive WQEs (IBTA 9.7.5.1.4)
+    assert rows and all(int(r[1]) == 0 and int(r[2]) == 16 for r in rows)
