@@ -272,3 +272,19 @@ def test_whole_frames_decode_without_any_malformed_frame(whole_frames: Path):
     lines = out.splitlines()
     assert len(lines) >= 1000
     assert not [line for line in lines if "Malformed" in line or "RRoCE" not in line]
+
+
+def test_max_file_size_rotates_like_tcpdump_and_leaves_no_temporary_file(tmp_path: Path, demo: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "r.pcap",
+                   "--max-file-size", "10MB", "--no-parquet")
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["r.pcap", "r.pcap1", "r.pcap2", "r.pcap3"]
+    sizes = [(tmp_path / n).stat().st_size for n in names]
+    assert max(sizes) <= 10_000_000
+    # the rotated files hold exactly the demo's frames: same record bytes, each file with its header
+    whole = (demo / "iter.pcap").read_bytes()
+    parts = [(tmp_path / n).read_bytes() for n in names]
+    assert all(p[:24] == whole[:24] for p in parts)
+    assert b"".join(p[24:] for p in parts) == whole[24:]
+    assert "(+3 rotated files)" in proc.stdout

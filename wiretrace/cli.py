@@ -179,9 +179,10 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     if s.iteration_ns:
         click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
     click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start")
-    click.echo(f"capture        {s.outputs[0]}")
-    if len(s.outputs) > 1:
-        click.echo(f"parquet        {s.outputs[1]}")
+    captures = s.outputs[:-1] if not no_parquet else s.outputs
+    click.echo(f"capture        {captures[0]}" + (f" (+{len(captures) - 1} rotated files)" if len(captures) > 1 else ""))
+    if not no_parquet:
+        click.echo(f"parquet        {s.outputs[-1]}")
 
 
 @main.command()

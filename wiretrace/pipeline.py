@@ -313,6 +313,7 @@ class _Staging:
     def __init__(self, force: bool):
         self.force = force
         self.pairs: list[tuple[Path, Path]] = []
+        self.committed: list[tuple[Path, Path]] = []
 
     def claim(self, final: Path, is_dir: bool = False) -> Path:
         final = Path(final)
@@ -331,7 +332,14 @@ class _Staging:
         self.pairs.append((tmp, final))
         return tmp
 
+    def adopt(self, tmp: Path, final: Path) -> None:
+        """Add a file written under a temporary name; refuses to replace a file without force."""
+        if final.exists() and not self.force:
+            raise WiretraceError(f"{final} exists; pass --force to overwrite it")
+        self.pairs.append((tmp, final))
+
     def commit(self) -> None:
+        self.committed = list(self.pairs)
         for tmp, final in self.pairs:
             if final.is_dir() and not final.is_symlink():
                 shutil.rmtree(final)
@@ -460,9 +468,14 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 tick("packets", written, est["packets"])
                 yield chunk
 
-        wio.write_capture(cap_tmp, packet_chunks(), topo, plan, snaplen=snaplen,
-                          fmt=fmt or _format_from_suffix(output), split=split,
-                          max_file_size=max_file_size)
+        stats = wio.write_capture(cap_tmp, packet_chunks(), topo, plan, snaplen=snaplen,
+                                  fmt=fmt or _format_from_suffix(output), split=split,
+                                  max_file_size=max_file_size)
+        if split is None:
+            # rotated files (tcpdump -C naming): <tmp>1, <tmp>2 ... become <output>1, <output>2 ...
+            for f in map(Path, stats.get("files", [])):
+                if f != cap_tmp and f.name.startswith(cap_tmp.name):
+                    staging.adopt(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
         if pkt_writer:
             pkt_writer.close()
         if pq_tmp:
@@ -480,7 +493,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             summary.notes.append(f"{summary.tcp_messages:,} network messages went over NET/Socket (TCP) in the "
                                  "measured run: kept in messages.parquet, not rendered as RoCEv2 packets")
         staging.commit()
-        summary.outputs = [str(output)] + ([str(parquet_dir)] if write_parquet else [])
+        summary.outputs = [str(final) for _, final in staging.committed if final != Path(parquet_dir)]
+        summary.outputs += [str(parquet_dir)] if write_parquet else []
     except BaseException:
         staging.abort()
         raise
