@@ -288,3 +288,25 @@ def test_max_file_size_rotates_like_tcpdump_and_leaves_no_temporary_file(tmp_pat
     assert all(p[:24] == whole[:24] for p in parts)
     assert b"".join(p[24:] for p in parts) == whole[24:]
     assert "(+3 rotated files)" in proc.stdout
+
+
+@pytest.mark.parametrize("transport,suffix", [
+    ({"verb": "read", "path_mtu": 1024}, ".pcap"),
+    ({"verb": "send_imm"}, ".pcap"),
+    ({"ip_version": 6, "vlan": 7, "pcp": 3}, ".pcapng"),
+    ({"ack": {"every_packets": 7}, "initial_psn": "random"}, ".pcap"),
+    ({"ecn_marking": {"fraction": 0.05}}, ".pcap"),
+    ({"kind": "ib", "grh": True}, ".erf"),
+])
+def test_every_transport_variant_validates_clean(tmp_path: Path, transport, suffix):
+    """Whatever the verb, link layer or ACK policy, the generated capture passes every check of
+    `wiretrace validate` (PSN order per QP, opcode sequences, RETH lengths, ACK/MSN, ICRC/VCRC)."""
+    plan = write_plan(tmp_path, lambda d: d["transport"].update(transport))
+    out = tmp_path / f"v{suffix}"
+    proc = run_cli("generate", "--plan", plan, "-o", out, "--parallelism", "dp", "--ranks", "0,1",
+                   "--window", "0:6ms", "--snaplen", "0", "--quiet", "--no-parquet")
+    assert proc.returncode == 0, proc.stderr
+    v = run_cli("validate", out, "--json")
+    report = json.loads(v.stdout)
+    assert v.returncode == 0, {k: n for k, n in report["counts"].items() if n}
+    assert report["roce_frames"] > 1000

@@ -74,7 +74,7 @@ def build_template(t: alg.Transfers, rel_node: np.ndarray, esize: int, p2p: bool
     esize : bytes per element (slices are whole elements).
     p2p : slice at NCCL's P2P chunk sizes instead of the collective step size.
     plan : ``collectives.protocol``, ``step_bytes``, ``cts``, ``qps_per_connection``,
-        ``split_data_on_qps``.
+        ``split_data_on_qps``; ``transport.verb`` ``read`` means no clear-to-send messages.
     """
     co = plan.collectives
     keep = t.length > 0
@@ -110,7 +110,9 @@ def build_template(t: alg.Transfers, rel_node: np.ndarray, esize: int, p2p: bool
     if q > 1 and getattr(co, "split_data_on_qps", False):
         rows = _split_on_qps(rows, q, co.protocol)
     parts = [rows]
-    if co.cts:
+    # Clear-to-send is how a receiver grants credit to a sender that WRITEs into its buffer; with
+    # RDMA READ the receiver pulls the data itself and its READ request is the grant.
+    if co.cts and plan.transport.verb != "read":
         c = net
         parts.insert(0, dict(src=dst[c], dst=src[c], step=step[c], channel=ch[c], chunk=chunk[c],
                              offset=off[c], nbytes=np.full(int(c.sum()), protocol.CTS_BYTES, np.int64),

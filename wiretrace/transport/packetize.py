@@ -172,9 +172,16 @@ class _Messages:
         req_nic = np.where(self.is_read, self.dst, self.src)
         req_qpn = np.where(self.is_read, qp_on_dst, qp_on_src)
 
-        # PSN and MSN per requester QP, in posting order (rows are sorted by t_start, msg_id)
+        # PSN and MSN per requester QP, in posting order: rows are sorted by t_start, but a READ
+        # is posted when its request leaves the data receiver, one hop before the data flows
         stream = req_nic * (1 << 24) + req_qpn
-        order = np.argsort(stream, kind="stable")
+        posted = self.t_start.copy()
+        if self.is_read.any():
+            req_len = (layout.base_header_len(plan) + layout.trailer_len(plan) + H.RETH.length
+                       + layout.wire_extra(plan))
+            req_ns = np.int64(np.ceil(req_len * 8 / topo.nic_rate_bps * 1e9))
+            posted[self.is_read] -= np.int64(topo.latency_ns) + req_ns
+        order = np.lexsort((posted, stream))
         s_sorted = stream[order]
         first = np.r_[True, s_sorted[1:] != s_sorted[:-1]] if n else np.zeros(0, bool)
         grp_start = np.maximum.accumulate(np.where(first, np.arange(n), 0)) if n else np.zeros(0, np.int64)
@@ -454,10 +461,16 @@ class _Marker:
         }
 
 
+_KIND_RANK = np.array([1, 0, 2, 3], dtype=np.int64)
+"""Tie order at one timestamp: an ACK leaves before data of the same instant (a responder
+acknowledges what it received before it answers a later READ on that QP), then data, READ
+requests, CNPs."""
+
+
 def _order(p: dict) -> np.ndarray:
-    """Row order by time, ties broken by (kind, sender NIC, PSN) so that the output does not
+    """Row order by time, ties broken by (kind rank, sender NIC, PSN) so that the output does not
     depend on how messages were cut into expansion steps."""
-    key = ((p["_kind"].astype(np.int64) << 46) | (p["src_nic"].astype(np.int64) << 24)
+    key = ((_KIND_RANK[p["_kind"]] << 46) | (p["src_nic"].astype(np.int64) << 24)
            | p["psn"].astype(np.int64))
     return np.lexsort((key, p["ts_ns"]))
 
