@@ -29,13 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_generate(plan: Path, out: Path, snaplen: int) -> tuple[float, int]:
+def run_generate(plan: Path, out: Path, snaplen: int, *extra: str) -> tuple[float, float, int]:
+    """Wall time, CPU time (user + system) and peak RSS of one `wiretrace generate` subprocess."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "wiretrace.cli", "generate", "--plan", str(plan), "-o", str(out),
-                    "--snaplen", str(snaplen), "--quiet", "--force"], check=True)
+                    "--snaplen", str(snaplen), "--quiet", "--force", *extra], check=True)
     wall = time.perf_counter() - t0
-    rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return wall, rss_kib * 1024
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, after.ru_maxrss * 1024
+
+
 
 
 def read_frames(path: Path):
@@ -80,24 +85,35 @@ def main() -> None:
     ap.add_argument("--plan", type=Path, default=ROOT / "samples" / "plans" / "gpt2-small-2x4.json")
     ap.add_argument("--snaplen", type=int, default=128)
     ap.add_argument("--scapy-sample", type=int, default=20000)
+    ap.add_argument("--large", type=Path, default=ROOT / "samples" / "plans" / "llama3-8b-4x8.json",
+                    help="a second, larger run (DP traffic only) where start-up costs are amortized")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "iter.pcap"
-        wall, rss = run_generate(args.plan, out, args.snaplen)
+        wall, cpu, rss = run_generate(args.plan, out, args.snaplen)
         frames = read_frames(out)
         n = len(frames)
         t_dpkt = bench_dpkt(frames)
         t_scapy = bench_scapy(args.scapy_sample) * n / args.scapy_sample
         size = out.stat().st_size
+        out = Path(d) / "large.pcap"
+        l_wall, l_cpu, l_rss = run_generate(args.large, out, args.snaplen, "--parallelism", "dp")
+        l_n = int(subprocess.run([sys.executable, "-c", "import pyarrow.parquet as pq, sys; "
+                                  "print(pq.ParquetFile(sys.argv[1]).metadata.num_rows)",
+                                  str(Path(d) / "large.parquet" / "packets.parquet")],
+                                 capture_output=True, text=True, check=True).stdout)
     print(f"plan {args.plan.name}, snaplen {args.snaplen}: {n:,} packets, capture {size / 1e6:.1f} MB, "
           f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs\n")
     print("| tool | what | time (s) | packets/s | vs wiretrace |")
     print("|---|---|---:|---:|---:|")
-    print(f"| wiretrace | generate end to end (plan -> pcap + Parquet), peak RSS {rss / 2**20:.0f} MiB "
-          f"| {wall:.2f} | {n / wall:,.0f} | 1.00 |")
+    print(f"| wiretrace | generate end to end (plan -> pcap + Parquet), peak RSS {rss / 2**20:.0f} MiB, "
+          f"CPU {cpu:.2f} s | {wall:.2f} | {n / wall:,.0f} | 1.00 |")
     print(f"| dpkt | pcap writer alone, prebuilt frames | {t_dpkt:.2f} | {n / t_dpkt:,.0f} | {t_dpkt / wall:.2f} |")
     print(f"| scapy | build RoCEv2 frames (sample of {args.scapy_sample:,}, extrapolated) | {t_scapy:.2f} "
           f"| {n / t_scapy:,.0f} | {t_scapy / wall:.2f} |")
+    print(f"\nlarger run: {args.large.name} --parallelism dp: {l_n:,} packets in {l_wall:.2f} s wall, "
+          f"{l_cpu:.2f} s CPU: {l_n / l_wall:,.0f} packets/s wall, {l_n / l_cpu:,.0f} per CPU-second; "
+          f"peak RSS {l_rss / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

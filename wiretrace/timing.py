@@ -69,10 +69,24 @@ def network_wire_bytes(wire_bytes: np.ndarray, plan: Plan) -> np.ndarray:
 
 
 def _group_ids(*keys: np.ndarray) -> np.ndarray:
-    """Dense int64 id of each row's key tuple (rows with equal keys share an id)."""
-    stacked = np.stack([np.asarray(k, dtype=np.int64) for k in keys], axis=1)
-    _, inv = np.unique(stacked, axis=0, return_inverse=True)
-    return inv.reshape(-1).astype(np.int64)
+    """Dense int64 id of each row's key tuple (rows with equal keys share an id; ids follow the
+    lexicographic order of the tuples)."""
+    cols = [np.asarray(k, dtype=np.int64) for k in keys]
+    if len(cols[0]) == 0:
+        return np.zeros(0, dtype=np.int64)
+    combined = np.zeros(len(cols[0]), dtype=np.int64)
+    span = 1
+    for c in cols:  # mixed-radix packing into one int64 when the ranges allow it
+        lo, hi = int(c.min()), int(c.max())
+        width = hi - lo + 1
+        if span * width >= 1 << 62:
+            stacked = np.stack(cols, axis=1)
+            _, inv = np.unique(stacked, axis=0, return_inverse=True)
+            return inv.reshape(-1).astype(np.int64)
+        combined = combined * width + (c - lo)
+        span *= width
+    _, inv = np.unique(combined, return_inverse=True)
+    return inv.astype(np.int64)
 
 
 def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
