@@ -7,8 +7,6 @@ same files as the reference for timestamps, lengths and interfaces.
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 import warnings
@@ -16,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from conftest import require_tool
 
 from wiretrace.errors import InputFormatError
 from wiretrace.io import capture
@@ -31,12 +31,7 @@ def real_frames() -> list[bytes]:
 
 
 def tshark() -> str:
-    path = shutil.which("tshark")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("tshark is required when CI is set")
-        pytest.skip("tshark not installed")
-    return path
+    return require_tool("tshark")
 
 
 def tshark_fields(path: Path, *fields: str) -> list[list[str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import struct
@@ -12,6 +11,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from conftest import require_tool
 
 from test_analysis import REAL, capture_file, parquet_dir  # noqa: F401  (fixtures)
 
@@ -24,13 +25,11 @@ def cli(*args):
 
 
 def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
+    for name in ("chromium-browser", "google-chrome"):
         path = shutil.which(name)
         if path:
             return path
-    if os.environ.get("CI"):
-        pytest.fail("chromium is required in CI (.ci/run installs it)")
-    pytest.skip("chromium not installed")
+    return require_tool("chromium")
 
 
 def open_in_chromium(page: Path, tmp_path: Path) -> str:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import dpkt
 import pytest
+
+from conftest import require_tool
 from scapy.contrib.roce import BTH
 from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
@@ -40,12 +42,7 @@ RT = ("--rt-priority", "10")
 
 
 def need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"{tool} is required in CI")
-        pytest.skip(f"{tool} not installed")
-    return path
+    return require_tool(tool)
 
 
 def need_root() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow.compute as pc
-import pytest
 
 from wiretrace import collectives, pipeline, plan as P, topology, workload
 

@@ -9,8 +9,6 @@ tshark is the reference for the parsed fields.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
 import subprocess
 import zlib
@@ -19,6 +17,8 @@ from pathlib import Path
 import dpkt
 import numpy as np
 import pytest
+
+from conftest import require_tool
 from click.testing import CliRunner
 from scapy.contrib.roce import BTH
 from scapy.layers.inet import IP, UDP
@@ -41,12 +41,7 @@ TOS_CNP = (48 << 2) | 2    # DSCP 48, ECT(0)
 
 
 def tshark() -> str:
-    path = shutil.which("tshark")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("tshark is required when CI is set")
-        pytest.skip("tshark not installed")
-    return path
+    return require_tool("tshark")
 
 
 # -- frames -----------------------------------------------------------------------------------
