@@ -310,3 +310,21 @@ def test_every_transport_variant_validates_clean(tmp_path: Path, transport, suff
     report = json.loads(v.stdout)
     assert v.returncode == 0, {k: n for k, n in report["counts"].items() if n}
     assert report["roce_frames"] > 1000
+
+
+def test_readme_display_filters_match_frames_of_the_demo(demo: Path):
+    """Every Wireshark display filter the README's table shows selects frames of the demo."""
+    import re
+
+    from conftest import ROOT
+
+    tshark = require_tool("tshark")
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Display filters that work"):readme.index("By default only the first")]
+    filters = re.findall(r"^\| `([^`]+)` \|", table, re.M)
+    assert len(filters) >= 6
+    for f in filters:
+        out = subprocess.run([tshark, "-r", demo / "iter.pcap", "-Y", f, "-T", "fields", "-e", "frame.number"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, (f, out.stderr)
+        assert len(out.stdout.split()) > 0, f"README filter {f!r} matches nothing"
