@@ -36,6 +36,21 @@ POSITIONAL_MAX_WIDTH = 192
 """Inputs up to this many bytes (headers) use per-position tables; longer ones the byte loop."""
 
 
+
+def _byte_tables(images: np.ndarray, nbytes: int) -> np.ndarray:
+    """Lookup tables of a GF(2)-linear map on ``8 * nbytes``-bit registers, one per byte.
+
+    ``images[i]`` is the image of input bit ``i``; table ``q`` maps a value of byte ``q`` to the
+    XOR of the images of its set bits, so the map of a register is the XOR of ``nbytes`` lookups.
+    """
+    out = np.zeros((nbytes, 256), dtype=np.uint64)
+    v = np.arange(256, dtype=np.uint64)
+    for q in range(nbytes):
+        for bit in range(8):
+            sel = ((v >> np.uint64(bit)) & np.uint64(1)).astype(bool)
+            out[q, sel] ^= np.uint64(images[8 * q + bit])
+    return out
+
 class Crc:
     """A reflected CRC of ``width`` bits (16 or 32) with polynomial ``poly`` (reflected form),
     ``init`` and ``xorout``; register operations vectorized over rows.
@@ -137,15 +152,7 @@ class Crc:
         base = self.register(0, zeros)  # 0: linear part only
         basis = np.array([self.register(1 << i, zeros) ^ base for i in range(self.width)],
                          dtype=np.uint64)
-        out = np.zeros((nb, 256), dtype=np.uint64)
-        v = np.arange(256, dtype=np.uint64)
-        for q in range(nb):
-            acc = np.zeros(256, dtype=np.uint64)
-            for bit in range(8):
-                sel = ((v >> np.uint64(bit)) & np.uint64(1)).astype(bool)
-                acc[sel] ^= basis[8 * q + bit]
-            out[q] = acc
-        return out.astype(self.dtype)
+        return _byte_tables(basis, nb).astype(self.dtype)
 
     @functools.lru_cache(maxsize=512)
     def _unshift_tables(self, k: int) -> np.ndarray:
@@ -166,16 +173,7 @@ class Crc:
         # aug[i][1] is row i of M^-1 (which output bits of the shifted register form input bit i)
         inv_rows = [aug[i][1] for i in range(w)]
         inv_cols = [sum(((inv_rows[r] >> i) & 1) << r for r in range(w)) for i in range(w)]
-        nb = w // 8
-        out = np.zeros((nb, 256), dtype=np.uint64)
-        v = np.arange(256, dtype=np.uint64)
-        for q in range(nb):
-            acc = np.zeros(256, dtype=np.uint64)
-            for bit in range(8):
-                sel = ((v >> np.uint64(bit)) & np.uint64(1)).astype(bool)
-                acc[sel] ^= np.uint64(inv_cols[8 * q + bit])
-            out[q] = acc
-        return out.astype(self.dtype)
+        return _byte_tables(np.array(inv_cols, dtype=np.uint64), w // 8).astype(self.dtype)
 
     def _apply(self, tables: np.ndarray, s: np.ndarray) -> np.ndarray:
         out = tables[0][s & 0xFF]

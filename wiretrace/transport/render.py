@@ -165,15 +165,20 @@ def _fill_ext_and_payload(slots, off: int, F: _Frames, packets) -> None:
     # then rewrite the rows that do carry extension headers.
     slots[:, off:] = PAYLOAD_PATTERN[:span]
     for code, rows in _ext_groups(F).items():
-        ext = _ext_rows(F, packets, code, rows)
-        el = ext.shape[1]
-        block = np.empty((len(rows), span), dtype=np.uint8)
-        k = min(el, span)
-        block[:, :k] = ext[:, :k]
-        if span > el:
-            block[:, el:] = PAYLOAD_PATTERN[:span - el]
-        slots[rows, off:] = block
+        slots[rows, off:] = _ext_block(_ext_rows(F, packets, code, rows), span)
     _zero_pad(slots, off, F)
+
+
+def _ext_block(ext: np.ndarray, span: int) -> np.ndarray:
+    """``span`` bytes per row from the extension headers ``ext`` on: the headers (cut at
+    ``span``), then the deterministic payload pattern."""
+    el = ext.shape[1]
+    block = np.empty((len(ext), span), dtype=np.uint8)
+    k = min(el, span)
+    block[:, :k] = ext[:, :k]
+    if span > el:
+        block[:, el:] = PAYLOAD_PATTERN[:span - el]
+    return block
 
 
 def _scatter_trailer(slots, rows: np.ndarray, pos: np.ndarray, data: np.ndarray, limit: np.ndarray) -> None:
@@ -323,12 +328,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
         if not full:
             hdr[rows, hb:hb + el] = ext
         if span > 0:
-            block = np.empty((len(rows), span), dtype=np.uint8)
-            k = min(el, span)
-            block[:, :k] = ext[:, :k]
-            if span > el:
-                block[:, el:] = PAYLOAD_PATTERN[:span - el]
-            slots[rows, ext_off:] = block
+            slots[rows, ext_off:] = _ext_block(ext, span)
     _zero_pad(slots, ext_off, F)
 
     # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC).
