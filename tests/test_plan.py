@@ -31,7 +31,7 @@ def test_samples_load():
     assert p.model.hidden_size == 4096 and p.model.num_key_value_heads == 8
     assert p.num_microbatches == 64 // (1 * 2)
     assert p.cluster.nic_rate_bps == 400e9
-    assert p.cluster.nvlink_rate_bps == 900e9 * 8
+    assert p.cluster.nvlink_rate_bps == 450e9 * 8      # 900 GB/s is both directions together
     assert p.cluster.latency_ns == 2000
     d = P.load(SAMPLES / "gpt2-small-2x4.json")
     assert d.parallelism.tp == 4 and d.parallelism.dp == 2 and d.cluster.world_size == 8
@@ -87,6 +87,9 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"model": {"preset": "llama3-8b", "num_hidden_layers": 31}}, "num_hidden_layers = 31 is not divisible by pp*virtual_stages = 2*1"),
     ({"training": {"global_batch_size": 5}}, "global_batch_size = 5 is not divisible by micro_batch_size*dp = 1*2 = 2"),
     ({"model": {"preset": "llama9"}}, "unknown preset 'llama9'"),
+    ({"parallelism": {"tp": 16, "pp": 1, "dp": 2}}, "num_key_value_heads = 8 is not divisible by tp = 16"),
+    ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
+    ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
 ])
 def test_inconsistent_plans_name_both_numbers(over, fragment):
     with pytest.raises(PlanError) as e:
@@ -119,3 +122,9 @@ def test_hf_config_and_explicit_dims(tmp_path: Path):
             parallelism={"tp": 4, "pp": 2, "dp": 4})
     p = P.from_dict(d)
     assert p.model.intermediate_size == 1024 and p.model.num_key_value_heads == 4
+
+
+def test_integral_floats_are_integers():
+    p = P.from_dict(doc(parallelism={"tp": 8.0, "pp": 2, "dp": 2.0}))
+    assert p.parallelism.tp == 8 and isinstance(p.parallelism.tp, int)
+    assert P.from_dict(doc(training={"mfu": 1.0})).training.mfu == 1.0

@@ -39,7 +39,10 @@ def parse_rate(text: str, where: str = "rate") -> float:
     if not m:
         raise PlanError(f"{where}: expected a rate like 400Gbps or 900GB/s, got {text!r}")
     bits = 8 if m.group(3) in ("Bps", "B/s") else 1
-    return float(m.group(1)) * _SI[m.group(2)] * bits
+    rate = float(m.group(1)) * _SI[m.group(2)] * bits
+    if rate <= 0:
+        raise PlanError(f"{where}: expected a rate above zero, got {text!r}")
+    return rate
 
 
 def parse_duration_ns(text: str, where: str = "duration") -> int:
@@ -110,7 +113,10 @@ class Cluster:
     peak_tflops: float = GPU_PEAK_TFLOPS["H100"]
     nics_per_node: int = 0              # 0: one per GPU (set in load)
     nic_rate_bps: float = 400e9
-    nvlink_rate_bps: float = 900e9 * 8
+    nvlink_rate_bps: float = 450e9 * 8
+    """Per direction, bits/s: half of ``cluster.nvlink_rate``, which is given as NVIDIA quotes it,
+    both directions together (H100 SXM: 900 GB/s total = 450 GB/s each way, 18 NVLink 4 links of
+    25 GB/s per direction; NVIDIA H100 datasheet and NVLink 4 specifications)."""
     latency_ns: int = 2000
     nvlink_latency_ns: int = 1000
     gpu_nic_map: tuple[int, ...] = ()
@@ -218,9 +224,25 @@ def validate_document(doc: Any, require_model: bool = True) -> None:
         raise PlanError(f"plan {_json_path(e)}: {e.message}")
 
 
+_FLOAT_FIELDS = {"mfu", "capacity_factor", "fraction", "peak_tflops"}
+
+
+def _integral_floats_to_int(value: Any, key: str = "") -> Any:
+    """JSON Schema counts ``4.0`` as an integer; turn such numbers into ints (except the fields
+    that are real numbers) so that ``"tp": 4.0`` means ``"tp": 4``."""
+    if isinstance(value, dict):
+        return {k: _integral_floats_to_int(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_to_int(v, key) for v in value]
+    if isinstance(value, float) and value.is_integer() and key not in _FLOAT_FIELDS:
+        return int(value)
+    return value
+
+
 def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str = "",
               require_model: bool = True) -> Plan:
     """Build a :class:`Plan` from a parsed JSON document (see :func:`load`)."""
+    doc = _integral_floats_to_int(dict(doc))
     validate_document(doc, require_model=require_model)
     tr = dict(doc.get("training", {}))
     pa_ = dict(doc.get("parallelism", {}))
@@ -237,7 +259,7 @@ def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str 
         gpu=gpu if isinstance(gpu, str) else "custom", peak_tflops=float(peak),
         nics_per_node=cl.get("nics_per_node", cl["gpus_per_node"]),
         nic_rate_bps=parse_rate(cl.get("nic_rate", "400Gbps"), "plan $.cluster.nic_rate"),
-        nvlink_rate_bps=parse_rate(cl.get("nvlink_rate", "900GB/s"), "plan $.cluster.nvlink_rate"),
+        nvlink_rate_bps=parse_rate(cl.get("nvlink_rate", "900GB/s"), "plan $.cluster.nvlink_rate") / 2,
         latency_ns=parse_duration_ns(cl.get("latency", "2us"), "plan $.cluster.latency"),
         nvlink_latency_ns=parse_duration_ns(cl.get("nvlink_latency", "1us"), "plan $.cluster.nvlink_latency"),
         gpu_nic_map=tuple(cl.get("gpu_nic_map", ())), rails=tuple(cl.get("rails", ())),
@@ -285,8 +307,11 @@ def check_consistency(plan: Plan, require_model: bool = True) -> None:
         return
     if m.num_attention_heads % p.tp:
         raise PlanError(f"plan: num_attention_heads = {m.num_attention_heads} is not divisible by tp = {p.tp}")
-    if m.num_key_value_heads % p.tp and p.tp % m.num_key_value_heads:
-        raise PlanError(f"plan: num_key_value_heads = {m.num_key_value_heads} and tp = {p.tp}: neither divides the other")
+    if m.num_key_value_heads % p.tp:
+        raise PlanError(f"plan: num_key_value_heads = {m.num_key_value_heads} is not divisible by tp = {p.tp} "
+                        "(Megatron-LM requires num_query_groups % tensor_model_parallel_size == 0)")
+    if p.ep > 1 and not m.is_moe:
+        raise PlanError(f"plan: ep = {p.ep} but the model has no experts (num_local_experts = {m.num_local_experts})")
     if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
         from .models import stage_layers
         stage_layers(m.num_hidden_layers, p.pp, p.virtual_stages,
