@@ -680,3 +680,42 @@ def test_non_roce_frames_are_counted_and_skipped(capture_file, tmp_path):
     assert doc["message_sizes"]["sum"] == sum(sizes)
     r = cli("summarize", str(mixed))
     assert r.returncode == 0 and "frames skipped: 3 not RoCEv2/InfiniBand" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["summarize", "plot"])
+@pytest.mark.parametrize("args, msg", [
+    (["--timescales", "0us"], "error: --timescales 0us: a window width must be at least 1 ns"),
+    (["--timescales", "1us,0.1ns"], "error: --timescales 0.1ns: a window width must be at least 1 ns"),
+    (["--timescales", " , "], "error: --timescales: expected window widths like 1us,10us,1ms, got ' , '"),
+    (["--timescales", "1us,1000ns"], "error: --timescales: 1000ns is given twice"),
+    (["--timescales", "fast"], "error: --timescales: expected a duration like 2us or 500ns, got 'fast'"),
+    (["--idle-gap", "-1us"], "error: --idle-gap: expected a duration like 2us or 500ns, got '-1us'"),
+    (["--line-rate", "0Gbps"], "error: --line-rate: expected a rate above zero, got '0Gbps'"),
+])
+def test_bad_analysis_options_are_one_line_exit_2(capture_file, tmp_path, cmd, args, msg):
+    extra = ["-o", str(tmp_path / "figs")] if cmd == "plot" else []
+    r = cli(cmd, str(capture_file[0]), *extra, *args)
+    assert r.returncode == 2 and r.stderr.strip() == msg, r.stderr
+    assert not (tmp_path / "figs").exists()
+
+
+def test_bad_summarize_and_plot_targets_are_one_line_exit_2(capture_file, tmp_path):
+    r = cli("summarize", str(capture_file[0]), "--flows", "-3")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --flows -3: expected 0 or more flows to list"
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    r = cli("plot", str(capture_file[0]), "-o", str(afile))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: -o {afile}: is a file; expected a directory for the figures"
+    r = cli("plot", str(capture_file[0]), "-o", str(tmp_path / "figs"), "--html", str(tmp_path / "no" / "r.html"))
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: --html {tmp_path / 'no' / 'r.html'}: directory "
+                                                      f"{tmp_path / 'no'} does not exist")
+    assert not (tmp_path / "figs").exists()           # refused before any figure was written
+
+
+def test_burstiness_refuses_zero_timescale_with_wiretrace_error():
+    from wiretrace.errors import WiretraceError
+
+    with pytest.raises(WiretraceError, match="at least 1 ns"):
+        Burstiness(timescales_ns=(0, 1000))
+    with pytest.raises(WiretraceError, match="at least 0 ns"):
+        Burstiness(idle_gap_ns=-1)

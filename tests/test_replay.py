@@ -386,6 +386,10 @@ def test_option_errors(capture):
                       (["--udp", "127.0.0.1:70000"], "port 70000 is not in 1..65535"),
                       (["--udp", "127.0.0.1:9", "--pps", "10", "--topspeed"], "choose one of --pps, --mbps and --topspeed"),
                       (["--udp", "127.0.0.1:9", "--loop", "0"], "--loop 0: must be at least 1"),
+                      (["--udp", "127.0.0.1:9", "--speed", "0"], "--speed 0: expected a positive finite number"),
+                      (["--udp", "127.0.0.1:9", "--speed", "nan"], "--speed nan: expected a positive finite number"),
+                      (["--udp", "127.0.0.1:9", "--pps", "inf"], "--pps inf: expected a positive finite number"),
+                      (["--udp", "127.0.0.1:9", "--mbps", "-5"], "--mbps -5: expected a positive finite number"),
                       (["--udp", "127.0.0.1:9", "--engine", "tcpreplay"], "sends on interfaces only")):
         r = run([*WIRETRACE, "replay", str(path), *args])
         assert r.returncode == 2, (args, r.stderr)

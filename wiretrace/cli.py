@@ -350,13 +350,14 @@ def _analysis_options(fn):
 
 
 def _analysis_kwargs(plan_path, line_rate, idle_gap, timescales) -> dict:
+    from .analysis.burstiness import parse_timescales
     from .plan import load, parse_duration_ns, parse_rate
 
     return {
-        "plan": load(plan_path, require_model=False) if plan_path else None,
-        "line_rate_bps": parse_rate(line_rate, "--line-rate") if line_rate else None,
+        "timescales_ns": parse_timescales(timescales, "--timescales"),
         "idle_gap_ns": parse_duration_ns(idle_gap, "--idle-gap"),
-        "timescales_ns": tuple(parse_duration_ns(t, "--timescales") for t in timescales.split(",") if t.strip()),
+        "line_rate_bps": parse_rate(line_rate, "--line-rate") if line_rate else None,
+        "plan": load(plan_path, require_model=False) if plan_path else None,
     }
 
 
@@ -387,6 +388,8 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
     from .analysis import summarize as run
     from .analysis.report import print_text, to_json
 
+    if top_flows < 0:
+        raise WiretraceError(f"--flows {top_flows}: expected 0 or more flows to list")
     doc = run(input_path, by=by, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
     if as_json:
         click.echo(to_json(doc))
@@ -396,7 +399,7 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
 
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path),
               help="Directory for the figures (PNG and SVG of each).")
 @click.option("--html", "html_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Also write one self-contained HTML page with the figures and summary tables.")
@@ -417,9 +420,14 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
     from .analysis.figures import write_all
     from .analysis.report import html_page
 
+    kwargs = _analysis_kwargs(plan_path, line_rate, idle_gap, timescales)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise WiretraceError(f"-o {out_dir}: is a file; expected a directory for the figures")
     if html_path is not None:
         check_output_free(html_path, force)
-    s, inp = analyze(input_path, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
+        if not html_path.resolve().parent.is_dir():
+            raise WiretraceError(f"--html {html_path}: directory {html_path.resolve().parent} does not exist")
+    s, inp = analyze(input_path, **kwargs)
     figs = write_all(s, out_dir, phase_spans=inp.phase_spans() if inp.phase_spans else None, force=force)
     for _, png, svg in figs:
         click.echo(f"wrote {png} and {svg.name}")

@@ -28,7 +28,7 @@ and parses its statistics.
 from __future__ import annotations
 
 import errno
-from decimal import Decimal
+import math
 import os
 import re
 import shutil
@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Callable
 
@@ -286,8 +287,9 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
     rate_opts = sum(x is not None and x is not False for x in (pps, mbps, topspeed or None))
     if rate_opts > 1:
         raise WiretraceError("choose one of --pps, --mbps and --topspeed")
-    if speed <= 0 or (pps is not None and pps <= 0) or (mbps is not None and mbps <= 0):
-        raise WiretraceError("--speed, --pps and --mbps must be positive")
+    for name, value in (("--speed", speed), ("--pps", pps), ("--mbps", mbps)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise WiretraceError(f"{name} {value:g}: expected a positive finite number")
     if loop < 1:
         raise WiretraceError(f"--loop {loop}: must be at least 1")
     if engine not in ("native", "tcpreplay"):

@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from ..errors import WiretraceError
 from .stats import Distribution
 
 DEFAULT_TIMESCALES_NS = (1_000, 10_000, 100_000, 1_000_000, 10_000_000)
@@ -46,6 +47,32 @@ DEFAULT_IDLE_GAP_NS = 1_000
 ETHERNET_L1_OVERHEAD_BYTES = 24
 """Per-frame bytes on an Ethernet wire beyond the captured frame: preamble and SFD (8), FCS (4)
 and the minimum inter-packet gap (12); IEEE 802.3 clauses 3.1.1 and 4.4.2."""
+
+
+def parse_timescales(text: str, where: str = "--timescales") -> tuple[int, ...]:
+    """Comma-separated durations (``"1us,10us,1ms"``) -> window widths in ns, in the order given.
+
+    Raises
+    ------
+    WiretraceError : an entry that is not a duration, a width under 1 ns (``0us``, ``0.1ns``), a
+        width given twice, or no width at all.
+    """
+    from ..plan import parse_duration_ns
+
+    parts = [t.strip() for t in str(text).split(",")]
+    if not any(parts):
+        raise WiretraceError(f"{where}: expected window widths like 1us,10us,1ms, got {text!r}")
+    out = []
+    for t in parts:
+        if not t:
+            continue
+        ns = parse_duration_ns(t, where)
+        if ns < 1:
+            raise WiretraceError(f"{where} {t}: a window width must be at least 1 ns")
+        if ns in out:
+            raise WiretraceError(f"{where}: {t} is given twice")
+        out.append(ns)
+    return tuple(out)
 
 
 def _group_starts(*cols: np.ndarray) -> np.ndarray:
@@ -114,7 +141,10 @@ class Burstiness:
                  raster_cap: int = 200_000):
         self.timescales_ns = tuple(int(t) for t in timescales_ns)
         if not self.timescales_ns or min(self.timescales_ns) <= 0:
-            raise ValueError("timescales must be positive nanoseconds")
+            raise WiretraceError(f"timescales: expected window widths of at least 1 ns, got "
+                                 f"{list(self.timescales_ns)} ns")
+        if int(idle_gap_ns) < 0:
+            raise WiretraceError(f"idle gap: expected a duration of at least 0 ns, got {int(idle_gap_ns)} ns")
         self.idle_gap_ns = int(idle_gap_ns)
         self.line_rate_bps = float(line_rate_bps) if line_rate_bps else None
         self.origin_ns = origin_ns
