@@ -28,11 +28,11 @@ def messages(rows):
     return {k: np.asarray(v) for k, v in cols.items()}
 
 
-def calls(t_ready):
+def calls(t_ready, groups=None):
     n = len(t_ready)
     return tables.to_arrow("collectives", dict(
         op_id=list(range(n)), iteration=[0] * n, op=["all_reduce"] * n, parallelism=["dp"] * n,
-        group=list(range(n)), ranks=[[0, 4]] * n, group_size=[2] * n, bytes_global=[1] * n,
+        group=list(groups) if groups is not None else list(range(n)), ranks=[[0, 4]] * n, group_size=[2] * n, bytes_global=[1] * n,
         bytes_per_rank=[1] * n, dtype=["fp32"] * n, phase=["backward"] * n, layer=[-1] * n,
         microbatch=[-1] * n, stage=[0] * n, tensor=["t"] * n, src=[-1] * n, dst=[-1] * n,
         algorithm=["ring"] * n, t_ready_ns=list(t_ready), source=["test"] * n))
@@ -105,3 +105,32 @@ def test_fifo_closed_form_matches_a_plain_loop(seed):
         want[i] = max(ready[i], free.get(group[i], -10**18))
         free[group[i]] = want[i] + dur[i]
     assert np.array_equal(got, want)
+
+
+def test_calls_of_one_communicator_run_one_after_another():
+    """NCCL runs a communicator's calls in stream order: bucket 1 waits for bucket 0 to finish,
+    even though both were ready at once; a call on another communicator does not wait."""
+    S = 2**20
+    rows = [dict(op=0, src=0, dst=4, step=0, bytes=S), dict(op=1, src=0, dst=4, step=0, bytes=S),
+            dict(op=2, src=1, dst=5, step=0, bytes=S)]
+    m = timing.schedule(messages(rows), calls([0, 0, 0], groups=[7, 7, 8]), TOPO, PLAN)
+    d = wire_ns(S)
+    assert m["t_start_ns"].tolist() == [0, d + 2000, 0]
+
+
+def test_at_most_eight_credits_outstanding_per_connection():
+    """A receiver has NCCL_STEPS = 8 slots per connection: the credit of slice k leaves when
+    slice k-8 has arrived, never all at once."""
+    S = 128 * 1024
+    rows = []
+    for c in range(20):
+        rows.append(dict(kind="cts", src=4, dst=0, step=0, chunk=c, bytes=64))
+        rows.append(dict(kind="data", src=0, dst=4, step=0, chunk=c, bytes=S))
+    m = timing.schedule(messages(rows), calls([0]), TOPO, PLAN)
+    cts_start = m["t_start_ns"][0::2]
+    data_end = m["t_end_ns"][1::2]
+    assert (cts_start[:8] < data_end[0]).all()
+    for k in range(8, 20):
+        assert cts_start[k] >= data_end[k - 8]
+    # data never waits for a credit it has not received
+    assert (m["t_start_ns"][1::2] >= m["t_end_ns"][0::2]).all()

@@ -11,11 +11,16 @@ Rules (vectorized over whole columns; no per-message Python loop):
 3. Serialization: a sender's messages of one call and channel go one after another, in (step,
    slice) order, on its link: the NIC (network messages, ``cluster.nic_rate``) or the GPU's NVLink
    port (``cluster.nvlink_rate``).
-4. Messages of different calls share a link first come, first served: a pass over each link in
-   start order pushes overlapping messages back; the delay is propagated to dependent messages by
-   re-running rules 1-3 with those start times as lower bounds, until nothing moves (at most
-   ``max_passes`` passes).
-5. ``t_end_ns`` = start + serialization time + one hop latency (``cluster.latency`` or
+4. The calls of one communicator run one after another in issue order (NCCL launches them on
+   the communicator's stream): rules 1-3 are re-run with each call's earliest start as a lower
+   bound until the order no longer moves.
+5. Messages of different communicators share a link first come, first served: a pass over each
+   link in start order pushes overlapping messages back; the delay is propagated to dependent
+   messages (and to the communicator's later calls) by re-running rules 1-4 with those start
+   times as lower bounds, until nothing moves (at most ``max_passes`` passes).
+6. Credits: a receiver has ``NCCL_STEPS`` = 8 buffer slots per connection, so the clear-to-send
+   of a connection's k-th slice leaves only once its (k-8)-th slice has arrived.
+7. ``t_end_ns`` = start + serialization time + one hop latency (``cluster.latency`` or
    ``nvlink_latency``). Serialization time on the network counts every frame's overhead:
    Ethernet (14, +4 with a VLAN tag), IPv4 20 or IPv6 40, UDP 8, BTH 12, ICRC 4, FCS 4, preamble
    and SFD 8, inter-frame gap 12 bytes (IEEE 802.3 clause 4.4.2), plus RETH (16) on the first
@@ -40,6 +45,9 @@ BTH_BYTES = 12
 RETH_BYTES = 16
 IMMDT_BYTES = 4
 ICRC_BYTES = 4
+NCCL_STEPS = 8
+"""Slots of an NCCL connection's FIFO (``NCCL_STEPS`` in src/include/device.h): at most 8
+slices in flight per connection, hence at most 8 outstanding clear-to-send credits."""
 
 
 def frame_overhead_bytes(plan: Plan) -> int:
@@ -100,7 +108,7 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
         str.
     coll : the collectives table the messages belong to (``op_id``, ``t_ready_ns`` used).
     topo, plan : cluster rates and latencies, transport framing.
-    max_passes : passes of rule 4 (cross-call link sharing) before giving up on propagation.
+    max_passes : passes of each fixed-point phase (communicator order, then link sharing).
 
     Returns
     -------
@@ -126,7 +134,10 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
     t_ready_op = np.asarray(coll.column("t_ready_ns").to_numpy(), dtype=np.int64)
     order = np.argsort(op_ids)
     pos = np.searchsorted(op_ids[order], op)
-    t_ready = t_ready_op[order][np.minimum(pos, len(order) - 1)]
+    op_pos = order[np.minimum(pos, len(order) - 1)]          # row of each message's call
+    t_ready = t_ready_op[op_pos]
+    call_group = np.asarray(coll.column("group").to_numpy(), dtype=np.int64)
+    call_ready0 = t_ready_op.astype(np.int64)
 
     # ---- durations
     bits = np.where(is_net, network_wire_bytes(wire, plan), wire) * 8
@@ -188,6 +199,22 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
     pos_in_r = np.full(n, -1, dtype=np.int64)
     pos_in_r[r_idx] = np.arange(len(r_idx))
 
+    # ---- credit window: NCCL's connection FIFO has NCCL_STEPS = 8 slots (src/include/device.h),
+    # so the credit for a sender's k-th slice on a connection waits for its (k-8)-th to arrive
+    credit_dep = np.full(n, -1, dtype=np.int64)
+    if is_cts.any():
+        d_idx = np.nonzero(data)[0]
+        conn = flow[d_idx] * rk * rk + src[d_idx] * rk + dst[d_idx]
+        o = np.lexsort((chunk[d_idx], step[d_idx], conn))
+        d_sorted, conn_sorted = d_idx[o], conn[o]
+        k = np.arange(len(o))
+        back = k - NCCL_STEPS
+        ok = (back >= 0)
+        ok[ok] = conn_sorted[back[ok]] == conn_sorted[ok]
+        has_cts = cts_of[d_sorted] >= 0
+        sel = ok & has_cts
+        credit_dep[cts_of[d_sorted[sel]]] = d_sorted[back[sel]]
+
     # ---- own-sender order inside a call+channel
     sender = _group_ids(flow, src, is_net.astype(np.int64))
 
@@ -195,10 +222,11 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
     bounds = np.flatnonzero(np.diff(rnd[rounds_order])) + 1
     round_slices = np.split(rounds_order, bounds)
 
-    lower = t_ready.copy()
     start = np.zeros(n, dtype=np.int64)
     end = np.zeros(n, dtype=np.int64)
-    for _ in range(max_passes):
+
+    def run_rounds(lower: np.ndarray) -> None:
+        """Rules 1-3 (and 6) for every message, given per-message lower bounds."""
         sender_free = np.zeros(int(sender.max()) + 1, dtype=np.int64)
         end_sorted = np.zeros(len(r_idx), dtype=np.int64)
         for idx in round_slices:
@@ -212,10 +240,10 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
                     more = (b - a) > k
                     mx[more] = np.maximum(mx[more], end_sorted[a[more] + k])
                 ready[hp] = np.maximum(ready[hp], mx)
-            cd = cts_of[idx]
-            hc = cd >= 0
-            if hc.any():
-                ready[hc] = np.maximum(ready[hc], end[cd[hc]])
+            for dep in (cts_of[idx], credit_dep[idx]):
+                hc = dep >= 0
+                if hc.any():
+                    ready[hc] = np.maximum(ready[hc], end[dep[hc]])
             # serialize messages of the same sender inside this round, then after its last one
             s = sender[idx]
             o = np.lexsort((ready, s))
@@ -228,16 +256,54 @@ def schedule(messages: dict, coll: pa.Table, topo: Topology, plan: Plan,
             rp = pos_in_r[idx_o]
             keep = rp >= 0
             end_sorted[rp[keep]] = end[idx_o[keep]]
-        # rule 4: first come, first served on each link across calls
+
+    # Phase 1, rule 5: calls of one communicator in issue order, recomputed from each pass's
+    # schedule until it no longer moves.
+    lower = t_ready.copy()
+    for _ in range(max_passes):
+        run_rounds(lower)
+        call_ready = _communicator_order(op_pos, start, end, call_group, call_ready0)
+        new_lower = np.maximum(t_ready, call_ready[op_pos])
+        if np.array_equal(new_lower, lower):
+            break
+        lower = new_lower
+    # Phase 2, rule 4: calls of different communicators share a link first come, first served;
+    # a push is kept as a lower bound (and moves the communicator's later calls) until nothing
+    # overlaps.
+    link_lower = lower.copy()
+    for _ in range(max_passes):
         new_start = _serialize_links(tx_link, start, dur)
         if np.array_equal(new_start, start):
             break
-        lower = np.maximum(lower, new_start)
+        link_lower = np.maximum(link_lower, new_start)
+        run_rounds(link_lower)
+        call_ready = _communicator_order(op_pos, start, end, call_group, call_ready0)
+        link_lower = np.maximum(link_lower, call_ready[op_pos])
     start = _serialize_links(tx_link, start, dur)
     end = start + dur + lat
     messages["t_start_ns"] = start
     messages["t_end_ns"] = end
     return messages
+
+
+def _communicator_order(op_pos: np.ndarray, start: np.ndarray, end: np.ndarray,
+                        call_group: np.ndarray, call_ready0: np.ndarray) -> np.ndarray:
+    """Earliest start of each call (row of the collectives table) when the calls of one
+    communicator run one at a time in issue order (t_ready, then row), as NCCL's kernels do on
+    the communicator's stream: a call is busy from its first message's start to its last
+    message's arrival, and keeps that length when it is pushed back."""
+    ncall = len(call_group)
+    first = np.full(ncall, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(ncall, -1, dtype=np.int64)
+    np.minimum.at(first, op_pos, start)
+    np.maximum.at(last, op_pos, end)
+    present = last >= 0
+    ready = call_ready0
+    busy = np.where(present, last - np.maximum(first, call_ready0), 0)
+    o = np.lexsort((np.arange(ncall), ready, call_group))
+    out = np.empty(ncall, dtype=np.int64)
+    out[o] = _fifo_starts(call_group[o], ready[o], busy[o])
+    return out
 
 
 def _fifo_starts(group: np.ndarray, ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
