@@ -229,9 +229,21 @@ def test_window_keeps_only_packets_inside(tmp_path: Path, demo: Path):
     proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "w.pcap",
                    "--window", f"{lo}:{hi}", "--quiet")
     assert proc.returncode == 0, proc.stderr
-    w = pq.read_table(tmp_path / "w.parquet" / "packets.parquet").column("ts_ns").to_numpy()
-    assert len(w) == int(((ts >= lo) & (ts < hi)).sum())
-    assert w.min() >= lo and w.max() < hi
+    w = pq.read_table(tmp_path / "w.parquet" / "packets.parquet")
+    inside = pk.filter(pc.and_(pc.greater_equal(pk.column("ts_ns"), lo), pc.less(pk.column("ts_ns"), hi)))
+    # the window holds exactly the whole iteration's frames of that time (same PSNs, QPs, times)
+    assert w.equals(inside)
+    # the tables keep what overlaps the window
+    m = pq.read_table(tmp_path / "w.parquet" / "messages.parquet")
+    st, en = m.column("t_start_ns").to_numpy(), m.column("t_end_ns").to_numpy()
+    assert ((st < hi) & (en > lo)).all() and m.num_rows > 0
+    c = pq.read_table(tmp_path / "w.parquet" / "collectives.parquet")
+    assert set(c.column("op_id").to_pylist()) == set(m.column("op_id").to_pylist())
+    # the printed payload is what the window's frames carry
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "w2.pcap",
+                   "--window", f"{lo}:{hi}", "--no-parquet")
+    payload = pc.sum(inside.column("payload_len")).as_py()
+    assert f"{payload / 1e6:,.2f} MB payload" in proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +340,48 @@ def test_readme_display_filters_match_frames_of_the_demo(demo: Path):
                              capture_output=True, text=True)
         assert out.returncode == 0, (f, out.stderr)
         assert len(out.stdout.split()) > 0, f"README filter {f!r} matches nothing"
+
+
+def test_parquet_directory_holds_the_plan(demo: Path):
+    doc = json.loads((demo / "iter.parquet" / "plan.json").read_text())
+    assert doc == json.loads((SAMPLES / "gpt2-small-2x4.json").read_text())
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--ranks", "9"], "--ranks: rank 9 is outside the plan's 8 GPUs (0-7)"),
+    (["-o", "/proc/wiretrace-test/x.pcap"], "cannot write /proc/wiretrace-test/x.pcap"),
+])
+def test_out_of_range_ranks_and_unwritable_outputs(tmp_path: Path, args, fragment):
+    base = ["generate", "--plan", SAMPLES / "gpt2-small-2x4.json"]
+    if args[0] != "-o":
+        base += ["-o", tmp_path / "x.pcap"]
+    proc = run_cli(*base, *args)
+    assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert _files(tmp_path) == set()
+
+
+def test_max_file_size_takes_plain_bytes(tmp_path: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "r.pcap",
+                   "--max-file-size", "20000000", "--no-parquet", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap1"]
+
+
+def test_sigterm_leaves_nothing_behind(tmp_path: Path):
+    """A killed run (SIGTERM, as from a batch scheduler) removes its temporary outputs."""
+    import signal
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "wiretrace.cli", "generate", "--plan",
+                             SAMPLES / "llama3-8b-4x8.json", "-o", tmp_path / "big.pcap",
+                             "--parallelism", "dp", "--snaplen", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.stat().st_size > 10_000_000 for p in tmp_path.rglob("*") if p.is_file()):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert _files(tmp_path) == set()

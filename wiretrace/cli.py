@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -59,6 +60,13 @@ def main() -> None:
     renders those as RoCEv2 / InfiniBand packets in pcap, pcapng or ERF captures plus Parquet
     tables. Start with `wiretrace generate --plan plan.json -o iter.pcap`.
     """
+    # SIGTERM (kill, a batch scheduler's time limit) unwinds like Ctrl-C, so that temporary
+    # outputs are removed and nothing partial is left behind.
+    signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------

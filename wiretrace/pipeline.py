@@ -14,6 +14,7 @@ produces packets in bounded, time-ordered chunks.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -34,6 +35,14 @@ from .plan import Plan
 NVLINK_SHARD_MESSAGES = 2_000_000
 """Target number of messages per NVLink-only shard."""
 
+WINDOW_LOOKAHEAD_NS = 1_000_000
+"""With --window, network messages that start up to this long after the window's end still go
+to the transport (an RDMA READ's request leaves before its data), so that the frames inside the
+window are exactly those of the whole iteration's capture."""
+
+CNP_OPCODE = 0x81
+"""BTH opcode of a RoCEv2 CNP: its 16 reserved bytes are not payload."""
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -53,7 +62,7 @@ class Summary:
     network_messages: int = 0
     nvlink_messages: int = 0
     packets: int = 0
-    network_bytes: int = 0            # payload bytes of network data messages
+    network_bytes: int = 0            # IB payload bytes of the frames written
     wire_bytes: int = 0               # bytes of all frames (frame_len)
     iteration_ns: int = 0
     last_message_ns: int = 0
@@ -318,13 +327,16 @@ class _Staging:
         final = Path(final)
         if final.exists() and not self.force:
             raise WiretraceError(f"{final} exists; pass --force to overwrite it")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if is_dir:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-        else:
-            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-            os.close(fd)
-            tmp = Path(name)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if is_dir:
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+            else:
+                fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+                os.close(fd)
+                tmp = Path(name)
+        except OSError as e:
+            raise WiretraceError(f"cannot write {final}: {e.strerror or e}") from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, (0o777 if is_dir else 0o666) & ~umask)
@@ -401,6 +413,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         tick("schedule", 0)
         measured = build_collectives(plan, schedule)
         summary.notes.extend(measured.notes)
+        if selection.ranks is not None and max(selection.ranks) >= topo.world_size:
+            raise WiretraceError(f"--ranks: rank {max(selection.ranks)} is outside the plan's "
+                                 f"{topo.world_size} GPUs (0-{topo.world_size - 1})")
         coll = select_collectives(measured.table, selection)
         coll = coll_stage.resolve_algorithms(coll, topo, plan)
         summary.collectives = coll.num_rows
@@ -410,7 +425,20 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         net_chunks: list[dict] = []
         done = 0
         tcp = np.asarray(sorted(measured.tcp_pairs), dtype=np.int64).reshape(-1, 2)
+        window = selection.window
+        kept_ops: set[int] = set()
         for msgs in lower_and_time(coll, topo, plan, selection, rings=measured.rings or None):
+            if window is not None:
+                # the tables keep what overlaps the window; the transport still sees every
+                # earlier network message, so that PSNs match the whole iteration's capture
+                inside = (msgs["t_start_ns"] < window[1]) & (msgs["t_end_ns"] > window[0])
+                early = msgs["link"] == "network"
+                early &= msgs["t_start_ns"] < window[1] + WINDOW_LOOKAHEAD_NS
+                for_packets = {k: v[early & ~inside] for k, v in msgs.items()}
+                if len(for_packets["msg_id"]):
+                    net_chunks.append(for_packets)
+                msgs = {k: v[inside] for k, v in msgs.items()}
+            kept_ops.update(np.unique(msgs["op_id"]).tolist())
             is_net = msgs["link"] == "network"
             summary.messages += len(is_net)
             summary.network_messages += int(is_net.sum())
@@ -435,18 +463,19 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             net = {k: np.zeros(0, dtype=tables.numpy_dtype("messages", k)) for k in tables.column_names("messages")}
         order = np.argsort(net["t_start_ns"], kind="stable")
         net = {k: v[order] for k, v in net.items()}
-        summary.network_bytes = int(net["bytes"][net["kind"] == "data"].sum()) if len(net["bytes"]) else 0
-
-        est = estimate_packets(net, plan, snaplen)
+        if window is not None:
+            overlap = (net["t_start_ns"] < window[1]) & (net["t_end_ns"] > window[0])
+            est = estimate_packets({k: v[overlap] for k, v in net.items()}, plan, snaplen)
+        else:
+            est = estimate_packets(net, plan, snaplen)
         summary.estimate = est
         if est["packets"] > max_packets:
             raise WiretraceError(
-                f"this run would write about {est['packets']:,} packets (~{est['capture_bytes'] / 1e9:.1f} GB), "
+                f"this run would write about {est['packets']:,} packets (~{_human_bytes(est['capture_bytes'])}), "
                 f"more than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism dp,tp,pp,... "
                 f"or --window START:END (ns), or raise --max-packets")
 
         pkt_writer = TableWriter(pq_tmp / "packets.parquet", "packets") if pq_tmp else None
-        window = selection.window
 
         def packet_chunks() -> Iterator[dict]:
             written = 0
@@ -461,6 +490,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                     continue
                 summary.packets += n
                 summary.wire_bytes += int(np.asarray(chunk["frame_len"], dtype=np.int64).sum())
+                carries_data = np.asarray(chunk["opcode"]) != CNP_OPCODE
+                summary.network_bytes += int(np.asarray(chunk["payload_len"], dtype=np.int64)[carries_data].sum())
                 if pkt_writer:
                     pkt_writer.write(chunk)
                 written += n
@@ -480,7 +511,12 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if pq_tmp:
             from .io.parquet import write_table
 
+            if window is not None:
+                coll = coll.filter(pc.is_in(coll.column("op_id"), pa.array(sorted(kept_ops), type=pa.int64())))
+                summary.collectives = coll.num_rows
             write_table(pq_tmp / "collectives.parquet", "collectives", coll)
+            if plan.raw:
+                (pq_tmp / "plan.json").write_text(json.dumps(plan.raw, indent=2) + "\n")
         try:
             from . import workload
 
@@ -499,6 +535,14 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         raise
     summary.elapsed_s = time.perf_counter() - t0  # type: ignore[attr-defined]
     return summary
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
 
 
 def _format_from_suffix(path: Path) -> str:

@@ -57,6 +57,8 @@ def parse_size(value: Any, where: str = "size") -> int:
     """Parse an integer byte count or ``"25MiB"``/``"512KiB"``/``"1GB"`` into bytes."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)\s*", str(value))
     if not m:
         raise PlanError(f"{where}: expected bytes like 25MiB or 524288, got {value!r}")
