@@ -193,6 +193,28 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
         click.echo(f"parquet        {s.outputs[-1]}")
 
 
+def _print_busbw_check(rows: list[dict]) -> None:
+    """nccl-tests rows: the reported busbw against S/time x the factor of wiretrace's lowering."""
+    from .pipeline import lowered_bus_factor
+
+    rows = [r for r in rows if r.get("n", -1) and r.get("n", -1) > 0 and r.get("time_us")]
+    if not rows:
+        return
+    click.echo("busbw check (predicted = size / time x bytes the busiest rank sends in wiretrace's "
+               "lowering / size):")
+    click.echo(f"  {'op':<15}{'ranks':>6}{'size (B)':>14}{'time (us)':>11}{'busbw':>9}{'factor':>9}"
+               f"{'predicted':>11}{'diff':>8}")
+    factors: dict = {}
+    for r in rows:
+        key = (r["op"], r["n"], r["size"])
+        if key not in factors:
+            factors[key] = lowered_bus_factor(r["op"], r["n"], r["size"])
+        f = factors[key]
+        pred = r["size"] / (r["time_us"] * 1e3) * f
+        click.echo(f"  {r['op']:<15}{r['n']:>6}{r['size']:>14,}{r['time_us']:>11.1f}{r['busbw']:>9.2f}"
+                   f"{f:>9.4f}{pred:>11.2f}{r['busbw'] - pred:>+8.2f}")
+
+
 @main.command()
 @click.option("--plan", "plan_path", type=click.Path(path_type=Path),
               help="Plan JSON: compute the analytical schedule of one iteration.")
@@ -259,6 +281,7 @@ def schedule(plan_path, from_paths, more, fmt, output, messages, force, quiet):
             staging.commit()
             if not quiet:
                 click.echo(ingest.format_report(got.report))
+                _print_busbw_check(got.report.get("nccl_tests", []))
                 click.echo(f"wrote {output}/collectives.parquet ({got.table.num_rows:,} collectives)")
     except BaseException:
         staging.abort()
@@ -465,8 +488,9 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
 def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, rt_priority, as_json):
     """Replay CAPTURE on an interface (--iface) or to a UDP socket (--udp), keeping its timing.
 
-    Truncated frames are padded back to their original length. Reports packets, bytes, the
-    achieved rate and the timing error.
+    Truncated RoCE/IB frames are completed to their original length with wiretrace's payload
+    pattern and a recomputed ICRC (as `generate --snaplen 0` writes them). Reports packets, bytes,
+    the achieved rate and the timing error.
 
     \b
     Examples:
@@ -492,7 +516,11 @@ def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, rt_pri
         click.echo(f"timing error   mean {fmt_ns(rep.timing_error_mean_ns)}, p99 {fmt_ns(rep.timing_error_p99_ns)}, "
                    f"max {fmt_ns(rep.timing_error_max_ns)}")
     if rep.padded:
-        click.echo(f"padded         {rep.padded:,} truncated frames back to their original length")
+        click.echo(f"completed      {rep.padded:,} truncated frames to their original length (payload "
+                   f"pattern, ICRC recomputed)")
+    if rep.zero_padded:
+        click.echo(f"zero-padded    {rep.zero_padded:,} truncated frames that are not RoCE or lack headers "
+                   f"(their ICRC is wrong)")
     if rep.skipped:
         click.echo(f"skipped        {rep.skipped:,} frames without a BTH")
 

@@ -537,6 +537,31 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     return summary
 
 
+def lowered_bus_factor(op: str, n: int, size: int, elem_bytes: int = 4) -> float:
+    """Bytes the busiest rank sends, over the nccl-tests size ``S``, when wiretrace lowers one
+    ``op`` of ``size`` bytes over ``n`` ranks with the ring (direct for all_to_all) algorithm.
+
+    nccl-tests (doc/PERFORMANCE.md) defines busbw = algbw x this factor: 2(n-1)/n for
+    all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast, reduce
+    and send/recv; computing it from the messages checks the lowering against that definition.
+    """
+    from . import collectives, plan as plan_mod, tables
+
+    cluster = plan_mod.from_dict({"cluster": {"nodes": n, "gpus_per_node": 1},
+                                  "collectives": {"cts": False}}, require_model=False)
+    topo = topology.build(cluster)
+    per_rank = {"all_gather": size // n, "reduce_scatter": size // n}.get(op, size)
+    alg = "direct" if op in ("all_to_all", "all_to_allv", "send_recv") else "ring"
+    row = tables.to_arrow("collectives", dict(
+        op_id=[0], iteration=[0], op=[op], parallelism=["other"], group=[0], ranks=[list(range(n))],
+        group_size=[n], bytes_global=[size], bytes_per_rank=[per_rank], dtype=["fp32"], phase=["unknown"],
+        layer=[-1], microbatch=[-1], stage=[-1], tensor=[""], src=[0 if op == "send_recv" else -1],
+        dst=[1 if op == "send_recv" else -1], algorithm=[alg], t_ready_ns=[0], source=["busbw"]))
+    m = collectives.lower(row, topo, cluster)
+    sent = np.bincount(m["src_rank"], weights=m["bytes"], minlength=n)
+    return float(sent.max()) / size if size else 0.0
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
