@@ -193,7 +193,12 @@ def load_schedule(path: Path, world_size: int | None = None) -> Measured:
                        f"(e.g. {', '.join(map(str, first))})")
         m.table = table.filter(pa.array(~bad))
     if m.table.num_rows == 0:
-        raise WiretraceError(f"--schedule: {path} has no call wiretrace can lower")
+        if (gsize < 1).any():
+            raise WiretraceError(
+                f"--schedule: the calls in {path} do not name their communicator's ranks (Chakra traces "
+                "do not); give the trace file itself to --schedule, and the plan's whole cluster is "
+                "taken as the communicator")
+        raise WiretraceError(f"--schedule: {path} has no call wiretrace can lower (sizes unknown)")
     return m
 
 
