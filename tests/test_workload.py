@@ -557,3 +557,21 @@ def test_invariants_across_combinations(sched, zero, sp, cp_alg, recompute):
     assert {"tp", "pp", "dp", "cp", "ep"} <= set(d["parallelism"]) | ({"tp"} if sp else set())
     e = iteration_estimate(plan)
     assert e["total_ns"] >= e["compute_ns"] > 0
+
+
+def test_mfu_leaves_recomputation_out():
+    """MFU counts model FLOPs only (PaLM, Chowdhery et al. 2022, appendix B); full recompute adds
+    one more forward of every layer (hardware FLOPs, HFU), not of the output layer."""
+    from conftest import SAMPLES
+    import json
+
+    base = json.loads((SAMPLES / "gpt2-small-2x4.json").read_text())
+    full = json.loads(json.dumps(base))
+    full["training"]["recompute"] = "full"
+    e0 = iteration_estimate(P.from_dict(base))
+    e1 = iteration_estimate(P.from_dict(full))
+    m = P.from_dict(base).model
+    head_fwd = 2.0 * 4 * 1024 * m.hidden_size * m.vocab_size * (16 // 4)   # b s h V per micro-batch
+    assert e1["model_flops"] == e0["model_flops"]
+    assert e1["hardware_flops"] == pytest.approx(e0["model_flops"] + (e0["model_flops"] / 3 - head_fwd))
+    assert e1["achieved_hfu"] > e1["achieved_mfu"]

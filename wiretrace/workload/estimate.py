@@ -35,7 +35,8 @@ def iteration_estimate(plan: Plan, workload: Workload | None = None) -> dict:
         collectives inside passes plus gradient/parameter communication after the last backward),
         ``total_ns`` = compute + bubble + exposed, ``makespan_ns`` (end of the last pass),
         ``p2p_ns`` (one pipeline transfer), ``microbatches``, ``tokens`` per iteration,
-        ``model_flops`` per iteration, ``achieved_mfu`` (model FLOPs / (GPUs x peak x total)),
+        ``model_flops`` per iteration (without recomputation), ``hardware_flops`` (with it),
+        ``achieved_mfu`` (model FLOPs / (GPUs x peak x total)), ``achieved_hfu``,
         and ``stages``: per stage ``compute_ns``, ``busy_ns``, ``passes_end_ns``, ``end_ns``.
 
     Raises
@@ -81,9 +82,13 @@ def iteration_estimate(plan: Plan, workload: Workload | None = None) -> dict:
     exposed = max(total - compute - bubble, 0.0)
     t = plan.training
     mb_total = t.global_batch_size // t.micro_batch_size
-    flops = iteration_flops(w.m, w.b, w.s, mb_total, t.recompute)
+    # MFU counts the model's FLOPs only (Chowdhery et al. 2022, PaLM, appendix B); what
+    # activation recomputation adds is hardware FLOPs (HFU)
+    flops = iteration_flops(w.m, w.b, w.s, mb_total, "none")
+    hw_flops = iteration_flops(w.m, w.b, w.s, mb_total, t.recompute)
     world = plan.parallelism.world_size
-    achieved = flops / (world * plan.cluster.peak_tflops * 1e12 * total * 1e-9) if total else 0.0
+    capacity = world * plan.cluster.peak_tflops * 1e12 * total * 1e-9
+    achieved = flops / capacity if total else 0.0
     return {
         "compute_ns": int(round(compute)),
         "bubble_ns": int(round(bubble)),
@@ -94,6 +99,8 @@ def iteration_estimate(plan: Plan, workload: Workload | None = None) -> dict:
         "microbatches": w.mbs,
         "tokens": t.global_batch_size * t.seq_length,
         "model_flops": flops,
+        "hardware_flops": hw_flops,
         "achieved_mfu": achieved,
+        "achieved_hfu": hw_flops / capacity if total else 0.0,
         "stages": [{k: int(round(v)) for k, v in st.items()} for st in stages],
     }
