@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import dpkt
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import require_tool
@@ -52,27 +53,32 @@ def need_root() -> None:
         pytest.skip("needs root")
 
 
+def roce_frame(i: int, payload: bytes) -> bytes:
+    """Frame ``i`` of :func:`roce_frames` with ``payload``, built by scapy (ICRC included)."""
+    bth = BTH(opcode=(0, 1, 2)[i % 3], dqpn=0x100 + i % 4, psn=i, padcount=(-len(payload)) % 4)
+    pl = payload + bytes((-len(payload)) % 4)
+    eth = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01")
+    udp = UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0)
+    if i % 5 == 4:
+        p = eth / IPv6(src="fd00::1", dst="fd00::2") / udp / bth / Raw(pl)
+    elif i % 5 == 3:
+        p = eth / Dot1Q(vlan=100, prio=3) / IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / udp / bth / Raw(pl)
+    else:
+        p = eth / IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / udp / bth / Raw(pl)
+    return bytes(p)
+
+
+def roce_payload(i: int) -> bytes:
+    return bytes((i + j) & 0xFF for j in range(64 + (i * 37) % 1400))
+
+
 def roce_frames(n: int = 300, truncate_every: int = 7, snap: int = 90):
     """RoCEv2 frames built by scapy (independent of wiretrace): RC SEND FIRST/MIDDLE/LAST of
     varying sizes, IPv4, IPv6 and VLAN-tagged; every ``truncate_every``-th frame is cut to ``snap``
     bytes (scapy writes its ``wirelen`` as the original length). Returns (packets, full bytes)."""
     pkts, full = [], []
     for i in range(n):
-        payload = bytes((i + j) & 0xFF for j in range(64 + (i * 37) % 1400))
-        bth = BTH(opcode=(0, 1, 2)[i % 3], dqpn=0x100 + i % 4, psn=i, padcount=(-len(payload)) % 4)
-        pl = payload + bytes((-len(payload)) % 4)
-        if i % 5 == 4:
-            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / IPv6(src="fd00::1", dst="fd00::2") / \
-                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
-        elif i % 5 == 3:
-            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / Dot1Q(vlan=100, prio=3) / \
-                IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / \
-                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
-        else:
-            p = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:01:01") / \
-                IP(src="10.0.0.1", dst="10.0.0.2", tos=0x6a, flags="DF") / \
-                UDP(sport=49152 + i % 4 + 1, dport=4791, chksum=0) / bth / Raw(pl)
-        raw = bytes(p)
+        raw = roce_frame(i, roce_payload(i))
         full.append(raw)
         out = Ether(raw)
         out.time = 1_700_000_000 + i * 100e-6
@@ -152,8 +158,20 @@ def replay_in(ns: str, *args) -> subprocess.CompletedProcess:
 
 
 def padded(full: list[bytes], snap: int = 90, every: int = 7) -> list[bytes]:
-    """What replay must send: truncated frames padded with zeros to their original length."""
-    return [f[:snap] + bytes(len(f) - snap) if i % every == 0 else f for i, f in enumerate(full)]
+    """What replay must send: each truncated frame completed as wiretrace renders frames. The
+    captured bytes stay; the payload goes on with byte k of the payload = k mod 256, then the
+    pad and an ICRC that scapy computes over the result."""
+    out = []
+    for i, f in enumerate(full):
+        if i % every:
+            out.append(f)
+            continue
+        payload = roce_payload(i)
+        start = len(f) - 4 - len(payload) - (-len(payload)) % 4       # payload offset in the frame
+        kept = snap - start
+        out.append(roce_frame(i, payload[:kept] + bytes(k & 0xFF for k in range(kept, len(payload)))))
+        assert out[-1][:snap] == f[:snap] and len(out[-1]) == len(f)
+    return out
 
 
 def test_iface_frames_arrive_byte_identical_at_pps(netns_pair, capture, tmp_path):
@@ -178,19 +196,41 @@ def test_iface_frames_arrive_byte_identical_at_pps(netns_pair, capture, tmp_path
 PLAN = Path(__file__).resolve().parents[1] / "samples" / "plans" / "gpt2-small-2x4.json"
 
 
+def generate(out: Path, *args) -> None:
+    r = run([*WIRETRACE, "generate", "--plan", str(PLAN), "-o", str(out), "-q", *args])
+    assert r.returncode == 0, r.stderr
+
+
+def busy_window(d: Path, plan: Path = PLAN, span_ns: int = 50_000) -> str:
+    """``--window`` of the first ``span_ns`` of traffic of ``plan``'s iteration (from the
+    packets table, so that the test follows the timing model)."""
+    r = run([*WIRETRACE, "generate", "--plan", str(plan), "-o", str(d / "full.pcap"), "-q", "--force"])
+    assert r.returncode == 0, r.stderr
+    t0 = int(pq.read_table(d / "full.parquet" / "packets.parquet", columns=["ts_ns"]).column(0).to_numpy().min())
+    return f"{t0}:{t0 + span_ns}"
+
+
+def whole_frames(path: Path) -> list[bytes]:
+    frames = []
+    for data, meta in RawPcapReader(str(path)):
+        assert len(data) == meta.wirelen
+        frames.append(bytes(data))
+    return frames
+
+
 @pytest.fixture(scope="module")
 def generated_capture(tmp_path_factory):
-    """50 µs of the demo iteration's DP all-reduce (wiretrace generate; frames cut at 128 bytes)."""
+    """50 µs of the demo iteration's traffic: frames cut at 128 bytes (the default snap length),
+    and the same window written whole (--snaplen 0), which replay must reproduce."""
     d = tmp_path_factory.mktemp("gen")
-    out = d / "window.pcap"
-    r = run([*WIRETRACE, "generate", "--plan", str(PLAN), "-o", str(out), "--window", "5000000:5050000",
-             "--no-parquet", "-q"])
-    assert r.returncode == 0, r.stderr
-    frames = []
-    for data, meta in RawPcapReader(str(out)):
-        frames.append(bytes(data) + bytes(meta.wirelen - len(data)))
-    assert 200 < len(frames) < 20_000 and any(len(f) > 4000 for f in frames)
-    return out, frames
+    window = busy_window(d)
+    generate(d / "window.pcap", "--window", window, "--no-parquet")
+    generate(d / "whole.pcap", "--window", window, "--no-parquet", "--snaplen", "0")
+    want = whole_frames(d / "whole.pcap")
+    assert 200 < len(want) < 20_000 and any(len(f) > 4000 for f in want)
+    r = run([*WIRETRACE, "validate", str(d / "whole.pcap"), "--json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout[-2000:]
+    return d / "window.pcap", want
 
 
 def test_iface_generated_capture_at_pps(netns_pair, generated_capture, tmp_path):
@@ -201,11 +241,66 @@ def test_iface_generated_capture_at_pps(netns_pair, generated_capture, tmp_path)
     got = dump.stop()
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert [g for _, g in got] == want                 # padded back to 4,170-byte frames
+    # completed to the 4,170-byte frames generate --snaplen 0 writes: payload pattern and ICRC
+    assert [g for _, g in got] == want
     assert rep["packets"] == len(want) and rep["padded"] == sum(len(f) > 128 for f in want)
+    assert rep["zero_padded"] == 0
     assert abs(rep["achieved_pps"] - 10000) / 10000 < 0.05
     rx_pps = (len(got) - 1) / (got[-1][0] - got[0][0])
     assert abs(rx_pps - 10000) / 10000 < 0.05
+    # what arrived passes the validator: ICRC, lengths, PSNs, opcode sequences
+    v = run([*WIRETRACE, "validate", str(tmp_path / "rx.pcap"), "--json"])
+    doc = json.loads(v.stdout)
+    assert v.returncode == 0 and doc["ok"] and doc["truncated"] == 0, v.stdout[-2000:]
+    assert doc["checked"]["icrc"] == len(want) and doc["counts"]["icrc"] == 0
+
+
+def test_udp_generated_capture_carries_whole_roce_parts(generated_capture):
+    path, want = generated_capture
+    port, got, t = udp_receiver()
+    r = run([*WIRETRACE, "replay", str(path), "--udp", f"127.0.0.1:{port}", "--topspeed", "--json"])
+    t.join()
+    assert r.returncode == 0, r.stderr
+    # each datagram is the UDP payload (BTH .. ICRC) of the whole frame, as scapy decodes it
+    parts = [bytes(Ether(f)[UDP].payload) for f in want]
+    assert [g for _, g in got] == parts
+    for part, frame in zip(parts, want):
+        assert BTH(part).icrc == BTH(bytes(Ether(frame)[UDP].payload)).icrc
+    rep = json.loads(r.stdout)
+    assert rep["packets"] == len(want) and rep["zero_padded"] == 0
+
+
+def test_native_ib_frames_completed_with_icrc_and_vcrc(tmp_path):
+    """Native InfiniBand (ERF): frames cut at 100 bytes come back equal to the whole frames, VCRC
+    included; over UDP the BTH .. ICRC part of each."""
+    from wiretrace.io.capture import iter_frames
+    from wiretrace.replay import complete_frames
+
+    doc = json.loads(PLAN.read_text())
+    doc["transport"] = {"kind": "ib", "path_mtu": 4096}
+    plan = tmp_path / "ib.json"
+    plan.write_text(json.dumps(doc))
+    window = busy_window(tmp_path, plan, 20_000)
+    for snap in ("100", "0"):
+        r = run([*WIRETRACE, "generate", "--plan", str(plan), "-o", str(tmp_path / f"s{snap}.erf"), "-q",
+                 "--window", window, "--no-parquet", "--snaplen", snap])
+        assert r.returncode == 0, r.stderr
+    whole = [bytes(b.frame(i)) for b in iter_frames(tmp_path / "s0.erf") for i in range(len(b))]
+    done = []
+    for b in iter_frames(tmp_path / "s100.erf"):
+        fill = complete_frames(b)
+        assert fill.rebuilt[b.caplen < b.origlen].all()
+        for i in range(len(b)):
+            cl, ol = int(b.caplen[i]), int(b.origlen[i])
+            done.append(bytes(b.frame(i)) + (fill.tail(i, cl, ol) if cl < ol else b""))
+    assert len(whole) > 100 and any(len(f) > 4000 for f in whole)
+    assert done == whole
+    port, got, t = udp_receiver()
+    r = run([*WIRETRACE, "replay", str(tmp_path / "s100.erf"), "--udp", f"127.0.0.1:{port}", "--topspeed"])
+    t.join()
+    assert r.returncode == 0, r.stderr
+    # LRH 8 bytes (LNH 2: no GRH), the BTH from byte 8, ICRC then 2 bytes of VCRC at the end
+    assert [g for _, g in got] == [f[8:-2] for f in whole]
 
 
 def test_iface_recorded_timing_and_loop(netns_pair, capture, tmp_path):

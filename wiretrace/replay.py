@@ -3,9 +3,13 @@
 Two targets:
 
 * ``iface``: every frame goes out unchanged through an ``AF_PACKET``/``SOCK_RAW`` socket bound to
-  the interface (packet(7)); frames cut by a snap length are padded with zero bytes back to their
-  original length (their ICRC then no longer matches the zeros, as with ``tcprewrite
-  --fixlen=pad``). Needs root or ``CAP_NET_RAW``.
+  the interface (packet(7)). Needs root or ``CAP_NET_RAW``. Frames cut by a snap length are
+  completed to their original length as wiretrace renders them (:class:`Completion`): the rest of
+  the deterministic payload pattern, zero pad bytes and a recomputed ICRC (VCRC for native IB), so
+  that a receiving RoCE NIC or Soft-RoCE accepts them; a capture made with ``generate --snaplen N``
+  replays exactly as ``--snaplen 0`` would have written it. (``tcprewrite --fixlen=pad`` pads with
+  zeros, which leaves the ICRC wrong.) Truncated frames that are not RoCE, or whose headers were
+  cut, are padded with zeros and counted.
 * ``udp``: the RoCEv2 part of each frame, from the BTH through the ICRC (the UDP payload of a
   RoCEv2 frame; for native InfiniBand frames the bytes after LRH/GRH through the ICRC), is sent
   as one datagram to ``HOST:PORT``, for software RoCE models that listen on a socket. Frames
@@ -21,13 +25,14 @@ before). Late frames are sent at once (the schedule catches up). The report give
 error.
 
 ``engine="tcpreplay"`` hands an interface replay to tcpreplay (``--multiplier``, ``--pps``,
-``--mbps``, ``--topspeed``, ``--loop``), after writing a padded copy when frames were truncated,
+``--mbps``, ``--topspeed``, ``--loop``), after writing a completed copy when frames were truncated,
 and parses its statistics.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 import re
@@ -71,7 +76,9 @@ class ReplayReport:
     duration_ns : first to last send.
     achieved_pps, achieved_bps : (packets - 1) / duration, bits of all but the last frame / duration.
     timing_error_mean_ns, timing_error_p99_ns, timing_error_max_ns : |actual - due| send time.
-    padded : frames padded back to their original length.
+    padded : truncated frames completed to their original length.
+    zero_padded : of those, frames padded with zero bytes (not RoCEv2/IB, or headers not
+        captured): their ICRC does not match.
     engine : ``native`` or ``tcpreplay``.
     """
 
@@ -86,6 +93,7 @@ class ReplayReport:
     timing_error_p99_ns: float | None = None
     timing_error_max_ns: float | None = None
     padded: int = 0
+    zero_padded: int = 0
     engine: str = "native"
     target: str = ""
 
@@ -245,6 +253,159 @@ def set_realtime(priority: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# completing truncated frames
+# --------------------------------------------------------------------------------------------
+
+REBUILD_ROWS = 4096
+"""Truncated frames whose captured prefixes are gathered into one array for their CRCs."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _tail_register(crc_name: str, start: int, payload_len: int, pad: int) -> int:
+    """``R(0, B)`` of the bytes ``B`` from ``start`` (bytes after the extension headers) to the
+    ICRC: the rest of the payload pattern, then the pad's zero bytes."""
+    from .transport.icrc import CRC16_VCRC, CRC32
+    from .transport.render import PAYLOAD_PATTERN
+
+    crc = CRC32 if crc_name == CRC32.name else CRC16_VCRC
+    pattern = PAYLOAD_PATTERN[min(start, payload_len):payload_len].tobytes()
+    return crc.register(0, pattern + bytes(payload_len + pad - max(start, payload_len)))
+
+
+@dataclass
+class Completion:
+    """How the truncated frames of a batch are brought back to their original length.
+
+    A truncated RoCEv2 or native InfiniBand frame whose headers (through the extension headers)
+    were captured is completed as wiretrace renders frames (:mod:`wiretrace.transport.render`):
+    the captured bytes, then the rest of the payload pattern (byte ``i`` of the payload is
+    ``i mod 256``), zero pad bytes, the ICRC (and for native IB the VCRC) computed over the result,
+    then zeros up to the original length (Ethernet minimum-size padding). A frame that
+    ``generate --snaplen N`` cut comes back equal to what ``--snaplen 0`` writes. Other truncated
+    frames (not RoCE, or headers cut) are padded with zeros.
+
+    Attributes
+    ----------
+    rebuilt : (n,) bool, the frame is completed as above.
+    payload_start : (n,) int64, offset of the payload in the frame.
+    payload_len, pad : (n,) int64, IB payload and pad bytes.
+    trailer : (n, 6) uint8, ICRC (4 bytes, little-endian) then VCRC (2 bytes, native IB only).
+    trailer_len : (n,) int64, 4 (RoCEv2) or 6 (native IB).
+    """
+
+    rebuilt: np.ndarray
+    payload_start: np.ndarray
+    payload_len: np.ndarray
+    pad: np.ndarray
+    trailer: np.ndarray
+    trailer_len: np.ndarray
+
+    def tail(self, i: int, caplen: int, origlen: int) -> bytes:
+        """Bytes ``caplen .. origlen`` of frame ``i`` (zeros unless the frame is rebuilt)."""
+        if not self.rebuilt[i]:
+            return bytes(origlen - caplen)
+        from .transport.render import PAYLOAD_PATTERN
+
+        ps, pl, pad = int(self.payload_start[i]), int(self.payload_len[i]), int(self.pad[i])
+        icrc_at = ps + pl + pad
+        end = icrc_at + int(self.trailer_len[i])
+        parts = []
+        if caplen < ps + pl:
+            parts.append(PAYLOAD_PATTERN[caplen - ps:pl].tobytes())
+        if max(caplen, ps + pl) < icrc_at:
+            parts.append(bytes(icrc_at - max(caplen, ps + pl)))
+        if caplen < end:
+            parts.append(self.trailer[i, max(caplen - icrc_at, 0):end - icrc_at].tobytes())
+        parts.append(bytes(origlen - max(caplen, end)))
+        return b"".join(parts)
+
+
+def complete_frames(batch) -> Completion:
+    """Work out how to complete the truncated frames of ``batch`` (see :class:`Completion`).
+
+    The CRCs are computed without materializing the missing bytes: by linearity, the register
+    over the captured prefix (masked as for generation: :func:`wiretrace.transport.icrc.mask_rocev2`,
+    :func:`~wiretrace.transport.icrc.mask_ib`) is advanced through the missing bytes and XORed
+    with their contribution, computed once per distinct (start, payload length, pad).
+
+    Parameters
+    ----------
+    batch : FrameBatch from :func:`wiretrace.io.capture.iter_frames`.
+
+    Returns
+    -------
+    Completion
+
+    References
+    ----------
+    IBTA vol. 1 7.8.1 (ICRC), 7.8.2 (VCRC), annex A17.4.1 (RoCEv2 ICRC).
+    """
+    from .transport import icrc as C
+    from .transport.headers import ICRC_LEN, VCRC_LEN
+    from .transport.parse import KIND_IB, KIND_IB_GRH, KIND_ROCE_V4, parse_frames
+
+    n = len(batch)
+    out = Completion(np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                     np.zeros(n, np.int64), np.zeros((n, ICRC_LEN + VCRC_LEN), np.uint8),
+                     np.full(n, ICRC_LEN, np.int64))
+    short = batch.caplen < batch.origlen
+    if not short.any():
+        return out
+    cols = parse_frames(batch)
+    row = cols["row"]
+    l3 = cols["l3_offset"].astype(np.int64)
+    ps = cols["bth_offset"].astype(np.int64) + 12 + cols["ext_len"].astype(np.int64)
+    pl = cols["payload_len"].astype(np.int64)
+    pad = cols["pad"].astype(np.int64)
+    icrc_at = l3 + cols["ip_len"].astype(np.int64) - ICRC_LEN
+    cap = cols["caplen"].astype(np.int64)
+    ib = np.isin(cols["kind"], (KIND_IB, KIND_IB_GRH))
+    ok = (short[row] & cols["has_ext"] & (pl >= 0) & (ps + pl + pad == icrc_at)
+          & (cols["origlen"] >= icrc_at + ICRC_LEN + np.where(ib, VCRC_LEN, 0)))
+    out.payload_start[row] = ps
+    out.payload_len[row] = pl
+    out.pad[row] = pad
+    out.trailer_len[row] = np.where(ib, ICRC_LEN + VCRC_LEN, ICRC_LEN)
+    sel = np.flatnonzero(ok)
+    # group by layout (kind and where the IP header or LRH starts), then in bounded blocks
+    layout = cols["kind"][sel].astype(np.int64) << 32 | l3[sel]
+    for key in np.unique(layout).tolist():
+        kind, start = key >> 32, key & 0xFFFFFFFF
+        idx = sel[layout == key]
+        for b0 in range(0, len(idx), REBUILD_ROWS):
+            j = idx[b0:b0 + REBUILD_ROWS]
+            have = np.minimum(cap[j], icrc_at[j]) - start          # captured bytes the ICRC covers
+            width = int(have.max())
+            pos = batch.offsets[row[j]][:, None] + start + np.arange(width)[None, :]
+            inside = np.arange(width)[None, :] < have[:, None]
+            prefix = np.where(inside, batch.data[np.where(inside, pos, 0)], 0).astype(np.uint8)
+            missing = icrc_at[j] - start - have
+            # distinct (start in payload, payload length, pad) of the missing bytes
+            keys, inv = np.unique(np.stack([have + start - ps[j], pl[j], pad[j]], axis=1), axis=0,
+                                  return_inverse=True)
+            inv = inv.ravel()
+            if kind in (KIND_IB, KIND_IB_GRH):
+                masked = C.mask_ib(prefix, grh=kind == KIND_IB_GRH)
+                reg = C.CRC32.of_rows(masked, have)
+            else:
+                masked = C.mask_rocev2(prefix, 4 if kind == KIND_ROCE_V4 else 6)
+                reg = C.CRC32.of_rows(masked, have, state=C._STATE_AFTER_PSEUDO_LRH)
+            tail = np.array([_tail_register(C.CRC32.name, *k) for k in keys.tolist()], dtype=np.uint32)[inv]
+            value = (C.CRC32.shift(reg, missing) ^ tail) ^ np.uint32(C.CRC32.xorout)
+            icrc = C.icrc_bytes(value)
+            out.trailer[row[j], :ICRC_LEN] = icrc
+            if kind in (KIND_IB, KIND_IB_GRH):
+                # VCRC: LRH through ICRC, nothing masked
+                r16 = C.CRC16_VCRC.of_rows(prefix, have)
+                t16 = np.array([_tail_register(C.CRC16_VCRC.name, *k) for k in keys.tolist()],
+                               dtype=np.uint16)[inv]
+                r16 = C.CRC16_VCRC.update(C.CRC16_VCRC.shift(r16, missing) ^ t16, icrc)
+                out.trailer[row[j], ICRC_LEN:] = C.vcrc_bytes(r16 ^ np.uint16(C.CRC16_VCRC.xorout))
+            out.rebuilt[row[j]] = True
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # replay
 # --------------------------------------------------------------------------------------------
 
@@ -377,16 +538,15 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                             f"frame {batch.first + i + 1} is {int(origlen[i])} bytes, more than {iface}'s "
                             f"MTU {mtu} + {ETH_HEADER_LEN}-byte header: raise it (ip link set {iface} mtu "
                             f"{int(origlen.max()) - ETH_HEADER_LEN})")
-                    start = offs[:-1]
+                    part = np.zeros(n, dtype=np.int64)      # the whole frame
                     length = origlen
-                    avail = caplen
                 else:
                     part, length, _ = _udp_parts(batch)
-                    start = offs[:-1] + np.maximum(part, 0)
-                    avail = np.clip(caplen - part, 0, length)
                     skip = part < 0
                     rep.skipped += int(skip.sum())
                     length = np.where(skip, 0, length)
+                short = caplen < origlen
+                fill = complete_frames(batch) if short.any() else None
                 due = pacer.due(batch.ts_ns, length)
                 if t0 is None:
                     t0 = time.perf_counter_ns() + 1_000_000   # 1 ms to settle
@@ -397,9 +557,13 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                     ln = int(length[i])
                     if ln <= 0:
                         continue
-                    a = int(start[i])
-                    av = int(avail[i])
-                    frame = mv[a:a + av] if av >= ln else bytes(mv[a:a + av]) + bytes(ln - av)
+                    a, cl = int(offs[i]), int(caplen[i])
+                    p = int(part[i])
+                    if short[i]:
+                        frame = bytes(mv[a:a + cl]) + fill.tail(i, cl, int(origlen[i]))
+                        frame = frame[p:p + ln]
+                    else:
+                        frame = mv[a + p:a + p + ln]
                     sent_at[i] = _wait_until(t0 + int(due[i]), spin)
                     try:
                         send(frame)
@@ -412,8 +576,9 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                         raise WiretraceError(f"sending frame {batch.first + i + 1} to {iface or udp} "
                                              f"failed: {e.strerror}") from None
                     sent[i] = True
-                    if av < ln:
+                    if short[i]:
                         rep.padded += 1
+                        rep.zero_padded += int(not fill.rebuilt[i])
                 if sent.any():
                     err = np.abs(sent_at[sent] - (t0 + due[sent]))
                     errors.add(err)
@@ -465,9 +630,10 @@ def _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop) -> Repla
         truncated |= bool(short.any())
     with tempfile.TemporaryDirectory(prefix="wiretrace-replay-") as tmp:
         src = Path(capture)
+        zero_padded = 0
         if truncated:
             src = Path(tmp) / "padded.pcap"
-            _write_padded(capture, src)
+            zero_padded = _write_padded(capture, src)
         cmd = [exe, f"--intf1={iface}", f"--loop={loop}"]
         if topspeed:
             cmd.append("--topspeed")
@@ -481,23 +647,32 @@ def _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop) -> Repla
         r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise WiretraceError(f"tcpreplay failed: {_last_line(r.stderr or r.stdout)}")
-    return _parse_tcpreplay(r.stdout + r.stderr, iface, loop, padded)
+    rep = _parse_tcpreplay(r.stdout + r.stderr, iface, loop, padded)
+    rep.zero_padded = zero_padded * loop
+    return rep
 
 
-def _write_padded(capture: Path, out: Path) -> None:
-    """Copy ``capture`` to a nanosecond pcap (dpkt's writer) with every truncated frame padded
-    with zeros to its original length. (tcprewrite --fixlen=pad also rewrites the MAC addresses
-    of IPv6 frames to multicast ones, so it is not used.)"""
+def _write_padded(capture: Path, out: Path) -> int:
+    """Copy ``capture`` to a nanosecond pcap (dpkt's writer) with every truncated frame completed
+    to its original length (:func:`complete_frames`); returns the frames padded with zeros.
+    (tcprewrite --fixlen=pad pads with zeros and rewrites the MAC addresses of IPv6 frames to
+    multicast ones, so it is not used.)"""
     import dpkt
 
+    zero_padded = 0
     with open(out, "wb") as f:
         w = dpkt.pcap.Writer(f, snaplen=262144, linktype=LINKTYPE_ETHERNET, nano=True)
         for batch in iter_frames(capture):
+            fill = complete_frames(batch)
             for i in range(len(batch)):
-                frame = batch.frame(i)
-                pad = int(batch.origlen[i]) - len(frame)
+                frame = bytes(batch.frame(i))
+                cl, ol = len(frame), int(batch.origlen[i])
+                if cl < ol:
+                    frame += fill.tail(i, cl, ol)
+                    zero_padded += int(not fill.rebuilt[i])
                 ts = Decimal(int(batch.ts_ns[i])) / Decimal(1_000_000_000)   # exact ns
-                w.writepkt(frame + bytes(max(pad, 0)), ts=ts)
+                w.writepkt(frame, ts=ts)
+    return zero_padded
 
 
 def _last_line(text: str) -> str:
