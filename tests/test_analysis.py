@@ -719,3 +719,28 @@ def test_burstiness_refuses_zero_timescale_with_wiretrace_error():
         Burstiness(timescales_ns=(0, 1000))
     with pytest.raises(WiretraceError, match="at least 0 ns"):
         Burstiness(idle_gap_ns=-1)
+
+
+def test_by_node_needs_the_plan_for_captures(generated, tmp_path):
+    cap, pqdir = generated
+    r = cli("summarize", str(cap), "--by", "node")
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: --by node needs the plan {cap} was generated "
+                                                      "from (--plan PLAN) to map NIC addresses to nodes")
+    assert r.stdout == ""
+    # a capture whose addresses are not the plan's NICs
+    other = tmp_path / "other.pcap"
+    wrpcap(str(other), send_message_frames(3000, 50001, 0x11, 0, src="192.168.7.1", dst="192.168.7.2"))
+    r = cli("summarize", str(other), "--by", "node", "--plan", str(PLAN))
+    assert r.returncode == 2 and "--by node: 2 address(es)" in r.stderr and "(first: 192.168.7.1)" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    # with the plan: nodes by the plan's placement (4 NICs per node), same bytes as the tables
+    r = cli("summarize", str(cap), "--by", "node", "--plan", str(PLAN), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["by"]["rows"]
+    pk = np_table(pqdir / "packets.parquet", ["src_nic", "frame_len"])
+    assert [x["node"] for x in rows] == ["node0", "node1"]
+    assert [x["tx_bytes"] for x in rows] == [int(pk["frame_len"][pk["src_nic"] // 4 == n].sum()) for n in (0, 1)]
+    # a Parquet directory knows each NIC's node from its messages table
+    r = cli("summarize", str(pqdir), "--by", "node", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["by"]["rows"] == rows

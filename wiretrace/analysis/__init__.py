@@ -64,17 +64,28 @@ def summarize(path: str | Path, by: str = "nic", **kwargs) -> dict:
 
     Raises
     ------
-    wiretrace.errors.WiretraceError : unreadable input, or ``by`` parallelism/phase for a capture
-        (only a Parquet directory knows which collective each packet belongs to).
+    wiretrace.errors.WiretraceError : unreadable input; ``by`` parallelism/phase for a capture
+        (only a Parquet directory knows which collective each packet belongs to); ``by`` node for
+        a capture without a plan, or with addresses that are not the plan's NICs (only the plan
+        says which node a NIC address belongs to).
     """
     from ..errors import WiretraceError
 
     if by not in GROUP_KEYS:
         raise WiretraceError(f"--by must be one of {', '.join(GROUP_KEYS)}, got {by!r}")
+    if by == "node" and kwargs.get("plan") is None and not Path(path).is_dir():
+        # a capture names NICs by address; only the plan says which node each one belongs to
+        raise WiretraceError(f"--by node needs the plan {path} was generated from (--plan PLAN) to map "
+                             "NIC addresses to nodes")
     s, inp = analyze(path, **kwargs)
     if by in ("parallelism", "phase") and by not in inp.labels:
         raise WiretraceError(f"--by {by} needs a wiretrace Parquet directory (generate --parquet DIR); "
                              f"{path} is a capture")
+    if by == "node":
+        unknown = [label for label, node in zip(s.endpoints.label, s.endpoints.node) if node < 0]
+        if unknown:
+            raise WiretraceError(f"--by node: {len(unknown)} address(es) of {path} are not NICs of the "
+                                 f"plan (first: {unknown[0]}); pass the plan the capture was generated from")
     out = {"input": {"path": str(path), "kind": inp.kind, **inp.info}}
     out.update(s.result(by=by))
     return out
