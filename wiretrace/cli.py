@@ -75,12 +75,14 @@ def _terminate(signum, frame):
 
 
 class _Progress:
-    """A rich progress bar on stderr that appears only once a run has taken more than a second."""
+    """A rich progress bar on stderr (a terminal) that appears only once a run has taken more than
+    a second."""
 
     def __init__(self, quiet: bool):
         import time
 
-        self.quiet = quiet
+        # a bar only on a terminal: redirected stderr (logs, CI) gets no control characters
+        self.quiet = quiet or not sys.stderr.isatty()
         self.t0 = time.monotonic()
         self.bar = None
         self.tasks: dict[str, int] = {}
@@ -186,7 +188,10 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     click.echo(f"network bytes  {_fmt_bytes(s.network_bytes)} payload, {_fmt_bytes(s.wire_bytes)} in frames")
     if s.iteration_ns:
         click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
-    click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start")
+    if s.messages:
+        click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start")
+    else:
+        click.echo("last message   none: nothing was selected (check --ranks, --parallelism, --window)")
     captures = s.outputs[:-1] if not no_parquet else s.outputs
     click.echo(f"capture        {captures[0]}" + (f" (+{len(captures) - 1} rotated files)" if len(captures) > 1 else ""))
     if not no_parquet:
