@@ -631,17 +631,32 @@ def test_reordered_input_is_counted_and_summarized_alike():
 
 
 def test_parquet_directory_with_its_plan(generated, tmp_path):
+    """generate writes plan.json beside the tables: summarize and plot take the line rate and the
+    NIC addresses from it without --plan."""
     import shutil
 
     _, pqdir = generated
-    d = tmp_path / "with_plan"
+    assert (pqdir / "plan.json").is_file()
+    doc = summarize(pqdir)
+    assert doc["line_rate_bps"] == 400e9 and doc["nics"][0]["nic"] == "10.0.0.1"
+    pk = np_table(pqdir / "packets.parquet", ["ts_ns", "src_nic", "frame_len"])
+    span = int(pk["ts_ns"].max() - pk["ts_ns"].min())
+    for r in doc["nics"]:
+        wire = pk["frame_len"][pk["src_nic"] == r["nic_index"]].astype(np.int64) + 24
+        assert r["tx_utilization"] == pytest.approx(wire.sum() * 8e9 / span / 400e9)
+    r = cli("summarize", str(pqdir))
+    assert r.returncode == 0, r.stderr
+    assert "400.00 Gb/s" in r.stdout and f"{100 * doc['nics'][0]['tx_utilization']:.2f} %" in r.stdout
+    r = cli("plot", str(pqdir), "-o", str(tmp_path / "figs"), "--html", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    assert "<td>400.00 Gb/s</td>" in (tmp_path / "r.html").read_text()
+    # without the plan the tables still summarize, by NIC index and without a line rate
+    d = tmp_path / "without_plan"
     shutil.copytree(pqdir, d)
+    (d / "plan.json").unlink()
     bare = summarize(d)
     assert bare["line_rate_bps"] is None and bare["nics"][0]["nic"] == "nic0"
-    shutil.copy(PLAN, d / "plan.json")
-    doc = summarize(d)
-    assert doc["line_rate_bps"] == 400e9 and doc["nics"][0]["nic"] == "10.0.0.1"
-    assert doc["nics"][0]["tx_utilization"] > 0
+    assert bare["nics"][0]["tx_utilization"] is None
 
 
 def test_acks_naks_and_rnr_naks_from_aeth(tmp_path):
