@@ -115,3 +115,52 @@ def test_plot_of_captures(capture_file, tmp_path):  # noqa: F811
             assert png_size(out / f"{name}.png")[0] > 0
         dom = open_in_chromium(out / "r.html", tmp_path)
         assert 'data-loaded="4/4"' in dom and 'data-errors="0"' in dom
+
+
+def test_throughput_x_axis_follows_the_packets(parquet_dir):  # noqa: F811
+    """Phases known beyond the packets (tables of a generate --window run) are clipped to the
+    packets' span instead of stretching the x axis."""
+    from wiretrace.analysis import analyze
+    from wiretrace.analysis.figures import throughput
+
+    d, _, pk = parquet_dir
+    s, _ = analyze(d)
+    first, last = int(pk["ts_ns"].min()), int(pk["ts_ns"].max())
+    assert (s.first_ns, s.last_ns) == (first, last)
+    spans = [("forward", first - 10**9, first + 50_000), ("backward", first + 60_000, last + 10**9),
+             ("optimizer", last + 10, last + 2 * 10**9)]
+    fig = throughput(s, spans)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "time from first packet (µs)"
+    assert ax.get_xlim() == pytest.approx((0, (last - first) / 1e3))
+    shaded = [p.get_extents().transformed(ax.transData.inverted()) for p in ax.patches]
+    assert [(round(b.x0, 3), round(b.x1, 3)) for b in shaded] == [(0, 50), (60, round((last - first) / 1e3, 3))]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "phase: forward" in labels and "phase: backward" in labels and "phase: optimizer" not in labels
+
+
+def test_identical_nic_series_are_drawn_once_and_named_together():
+    import numpy as np
+
+    from wiretrace.analysis.figures import throughput
+    from wiretrace.analysis.summary import Endpoints, Summary
+
+    def figure(n_same):
+        eps = Endpoints()
+        for i in range(n_same + 1):
+            eps.get(i, f"nic{i}", i, i // 4)
+        s = Summary(eps, line_rate_bps=100e9)
+        ts = np.arange(0, 200_000, 1_000)
+        # NICs 0..n_same-1 send the same frames at the same times; the last one sends half of them
+        for i in range(n_same + 1):
+            t = ts if i < n_same else ts[::2]
+            s.add(dict(ts_ns=t, src=np.full(len(t), i), dst=np.full(len(t), (i + 1) % (n_same + 1)),
+                       udp_sport=np.full(len(t), 49153 + i), dest_qp=np.full(len(t), 0x10 + i),
+                       opcode=np.full(len(t), 0x0A, np.uint8), payload_len=np.full(len(t), 4096),
+                       frame_len=np.full(len(t), 4154), ecn=np.full(len(t), 2), dscp=np.full(len(t), 26)))
+        ax = throughput(s).axes[0]
+        return [ln.get_label() for ln in ax.get_lines() if ln.get_label() != "line rate"]
+
+    assert figure(8) == ["nic0 … nic7 (8 NICs, identical)", "nic8"]
+    assert figure(3) == ["nic0, nic1, nic2 (identical)", "nic3"]
+    assert figure(1) == ["nic0", "nic1"]

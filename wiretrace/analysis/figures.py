@@ -1,7 +1,8 @@
 """Figures of a summary (matplotlib, Agg backend): PNG and SVG of each.
 
 * ``throughput`` — bits on the wire over time per NIC (sent), Wireshark I/O-graph style, with
-  the forward / backward / optimizer phases shaded when the input knows them (Parquet);
+  the forward / backward / optimizer phases shaded when the input knows them (Parquet); NICs
+  with identical series are drawn once and named together in the legend;
 * ``matrix`` — node x node traffic matrix heatmap (bytes sent from row to column);
 * ``sizes`` — CDFs of flow sizes and message sizes;
 * ``bursts`` — burst raster: one row per NIC and direction, a bar per burst (on period).
@@ -56,8 +57,37 @@ def _top_keys(s: Summary, direction: int) -> list[int]:
     return sorted(2 * e + direction for e in order)
 
 
+def _series_label(s: Summary, keys: list[int]) -> str:
+    """Legend entry of NICs whose series are identical: one name, or the group and its size."""
+    names = [s.endpoints.label[k // 2] for k in keys]
+    if len(names) == 1:
+        return names[0]
+    if len(names) <= 3:
+        return f"{', '.join(names)} (identical)"
+    return f"{names[0]} … {names[-1]} ({len(names)} NICs, identical)"
+
+
+def throughput_series(s: Summary, used: int) -> list[tuple[str, np.ndarray]]:
+    """(label, bytes per bin) of the NICs' sent traffic: NICs whose binned series are identical
+    (the ranks of a ring send the same steps at the same times) become one series labelled with
+    the group, so that no line hides another; the busiest :data:`MAX_SERIES` series, in NIC
+    order."""
+    tl = s.timeline
+    groups: dict[bytes, list[int]] = {}
+    sent = s.ep["tx_bytes"]
+    keys = sorted((2 * e for e in range(len(sent)) if sent[e] > 0 and 2 * e < tl.bins.shape[0]),
+                  key=lambda k: s._ep_sort(k // 2))
+    for k in keys:
+        groups.setdefault(tl.bins[k, :used].tobytes(), []).append(k)
+    busiest = sorted(groups.values(), key=lambda g: -float(tl.bins[g[0], :used].sum()))[:MAX_SERIES]
+    busiest.sort(key=lambda g: s._ep_sort(g[0] // 2))
+    return [(_series_label(s, g), tl.bins[g[0], :used]) for g in busiest]
+
+
 def throughput(s: Summary, phase_spans=None) -> plt.Figure:
-    """Bits per second sent by each NIC in the timeline's bins (at most 16 NICs, the busiest)."""
+    """Bits per second sent by each NIC in the timeline's bins (at most 16 distinct series, the
+    busiest). The x axis spans the packets, first to last; phase spans are clipped to it (tables
+    of a ``generate --window`` run know phases beyond the window's packets)."""
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
     tl = s.timeline
     nb = tl.bins.shape[1]
@@ -65,28 +95,31 @@ def throughput(s: Summary, phase_spans=None) -> plt.Figure:
     unit, div = _time_unit(max(span, 1))
     used = int(min(nb, (span // tl.width) + 1)) if tl.origin is not None else 0
     x = (np.arange(used) * tl.width) / div
-    keys = _top_keys(s, 0)
-    peak = max((tl.bins[k, :used].max() for k in keys if k < tl.bins.shape[0]), default=0)
+    series = throughput_series(s, used) if used else []
+    peak = max((b.max() for _, b in series), default=0)
     runit, rdiv = _rate_unit(peak * 8e9 / tl.width if peak else 1)
-    for k in keys:
-        if k >= tl.bins.shape[0]:
-            continue
-        ax.step(x, tl.bins[k, :used] * 8e9 / tl.width / rdiv, where="post", lw=0.9,
-                label=s.endpoints.label[k // 2])
+    for label, b in series:
+        ax.step(x, b * 8e9 / tl.width / rdiv, where="post", lw=0.9, label=label)
     if phase_spans and tl.origin is not None:
         seen = set()
+        lo, hi = s.first_ns, s.last_ns
         for name, a, b in phase_spans:
+            a, b = max(a, lo), min(b, hi)
+            if a >= b:
+                continue
             ax.axvspan((a - tl.origin) / div, (b - tl.origin) / div, color=PHASE_COLORS.get(name, "#eeeeee"),
                        alpha=0.6, lw=0, zorder=0, label=None if name in seen else f"phase: {name}")
             seen.add(name)
     if s.line_rate_bps:
         ax.axhline(s.line_rate_bps / rdiv, color="k", ls="--", lw=0.8, label="line rate")
+    if tl.origin is not None:
+        ax.set_xlim(0, max(span, 1) / div)
     ax.set_xlabel(f"time from first packet ({unit})")
     ax.set_ylabel(f"throughput ({runit}), bins of {tl.width:,} ns")
     ax.set_title("Bits on the wire per NIC (sent)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+        ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
     fig.tight_layout()
     return fig
 
