@@ -380,7 +380,14 @@ def test_psn_contiguous_per_qp_and_one_ack_per_message_with_msn():
     assert all(int(s) == last_psn[int(mid)] for mid, s in zip(p["msg_id"][acks], p["psn"][acks]))
     assert (p["src_nic"][acks] == 2).all() and (p["dst_nic"][acks] == 0).all()
     assert len(np.unique(p["dest_qp"][acks])) == 1 and p["dest_qp"][acks][0] != p["dest_qp"][data][0]
-    np.testing.assert_array_equal(np.sort(p["ts_ns"][acks]), np.sort(m["t_end_ns"]))
+    # an ACK leaves once its message has arrived: at t_end, and never before the last data
+    # packet's last bit (its frame + 24 bytes of Ethernet overhead at 400 Gb/s, then 2 us)
+    ack_ts = dict(zip(p["msg_id"][acks].tolist(), p["ts_ns"][acks].tolist()))
+    last = np.r_[p["msg_id"][data][1:] != p["msg_id"][data][:-1], True]
+    for mid, ts, fl in zip(p["msg_id"][data][last], p["ts_ns"][data][last], p["frame_len"][data][last]):
+        arrived = ts + (fl + 24) * 8 / 400 + 2000
+        due = max(m["t_end_ns"][mid], arrived)
+        assert due <= ack_ts[mid] <= due + 3, (mid, ack_ts[mid], due)
 
 
 def test_psn_wraps_at_2_to_the_24(tmp_path):
@@ -407,7 +414,7 @@ def test_random_initial_psn_is_seeded():
 
 def test_packet_times_fill_the_message_wire_time():
     plan, topo = make_plan()
-    m = serial_messages([8 * 1024 + 7, 100, 5000])
+    m = serial_messages([8 * 1024 + 7, 100, 5000], gap=10)   # the link is idle at each start
     p = all_packets(m, topo, plan)
     data = p["opcode"] != 0x11
     for i in range(3):
@@ -418,6 +425,61 @@ def test_packet_times_fill_the_message_wire_time():
         # the last packet's last bit leaves at t_end - latency (Ethernet adds 24 bytes on the wire)
         last_bits = ts[-1] + (p["frame_len"][sel][-1] + 24) * 8 / 400
         assert abs(last_bits - (m["t_end_ns"][i] - 2000)) <= 2
+
+
+def assert_links_never_overlap(p, rate_bps=400e9, extra=24):
+    """Per sending NIC, each frame starts after the previous one has left: frame + ``extra``
+    bytes of Ethernet (preamble+SFD 8, FCS 4, inter-frame gap 12) at ``rate_bps``. Times are
+    whole ns (the exact start rounded up), so a gap may fall short by less than 1 ns; over any
+    run of frames the wire time adds up exactly."""
+    for nic in np.unique(p["src_nic"]):
+        sel = p["src_nic"] == nic
+        ts = p["ts_ns"][sel].astype(np.float64)
+        wire = (p["frame_len"][sel] + extra) * 8 / rate_bps * 1e9
+        assert (np.diff(ts) > wire[:-1] - 1).all(), nic
+        before = np.cumsum(wire) - wire
+        slack = ts - before             # start minus the wire time of all earlier frames
+        assert (slack > np.maximum.accumulate(slack) - 1).all(), nic
+
+
+@pytest.mark.parametrize("transport", [{}, {"verb": "read"}, {"ack": {"every_packets": 2}},
+                                       {"ecn_marking": {"fraction": 0.3, "cnp_interval": "1us"}},
+                                       {"kind": "ib"}])
+def test_each_nic_sends_at_most_at_line_rate(transport):
+    plan, topo = make_plan(transport)
+    rng = np.random.default_rng(3)
+    n = 300
+    # both directions at once on every NIC pair, faster than the line rate: data, ACKs, READ
+    # requests and CNPs all compete for each NIC's link
+    src = rng.integers(0, 4, n)
+    dst = (src + 2) % 4
+    m = make_messages(rng.integers(0, 30000, n), src, dst, np.sort(rng.integers(0, 100_000, n)))
+    p = all_packets(m, topo, plan)
+    assert (np.diff(p["ts_ns"]) >= 0).all()
+    extra = 2 if transport.get("kind") == "ib" else 24
+    assert_links_never_overlap(p, extra=extra)
+    # everything is sent: one frame per packet of each message, plus its ACK or READ request
+    data = np.isin(p["opcode"], [0x81, 0x11, 0x0C], invert=True)
+    assert int(data.sum()) == int(np.maximum(1, -(-m["wire_bytes"] // 1024)).sum())
+    # an ACK never leaves before the packet it acknowledges has arrived
+    acks = np.flatnonzero(p["opcode"] == 0x11)
+    key = p["msg_id"].astype(np.int64) * (1 << 24) + p["psn"]
+    sent = dict(zip(key[data].tolist(), (p["ts_ns"][data] + (p["frame_len"][data] + extra) * 8 / 400).tolist()))
+    for i in acks:
+        assert p["ts_ns"][i] >= sent[int(key[i])] + 2000
+
+
+def test_acks_queue_behind_the_data_their_nic_sends():
+    plan, topo = make_plan()
+    # NIC 0 -> 2 small messages (ACKed by NIC 2) while NIC 2 -> 0 sends one large message
+    small = make_messages([64] * 50, [0] * 50, [2] * 50, np.arange(50) * 20)
+    big = make_messages([400_000], [2], [0], [2000])
+    m = {k: np.concatenate([small[k], big[k]]) for k in small}
+    m["msg_id"] = np.arange(51)
+    p = all_packets(m, topo, plan)
+    from_2 = p["src_nic"] == 2
+    assert len(np.unique(p["ts_ns"][from_2])) == int(from_2.sum())
+    assert_links_never_overlap(p)
 
 
 def test_chunks_are_time_ordered_and_independent_of_chunk_size():

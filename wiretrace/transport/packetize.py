@@ -25,7 +25,15 @@ never in a Python loop per packet or per message.
 * **Times**: a message's packets leave its NIC back to back from ``t_start_ns``; each starts at
   ``t_start_ns + (t_end_ns - latency - t_start_ns) * (wire bytes before it) / (wire bytes of the
   message)``, wire bytes counting Ethernet's preamble, FCS and inter-frame gap, so that the last
-  bit leaves at ``t_end_ns - latency`` as the timing stage computed.
+  bit leaves at ``t_end_ns - latency`` as the timing stage computed (never faster than the line
+  rate).
+* **Links**: every frame a NIC sends (data, ACK, CNP, READ request and response) goes through
+  that NIC's link, first come first served: a frame starts no earlier than the previous frame
+  from the same NIC has left (its bytes plus preamble+SFD, FCS and inter-frame gap at the NIC
+  rate, IEEE 802.3 clause 4.4.2), so an ACK waits behind a data packet its NIC is sending. An
+  ACK leaves no earlier than the packet it acknowledges has arrived, a READ response no earlier
+  than its request has. Times on the link are kept in picoseconds; ``ts_ns`` rounds the start
+  up to the nanosecond.
 * **ECN / CNP** (``transport.ecn_marking``, RoCEv2 only): a seeded ``fraction`` of ECN-capable data
   packets, or those arriving at the receiver's switch port while its queue (drained at the NIC
   rate) holds more than ``queue_bytes``, are marked CE; the receiver answers with a CNP (opcode
@@ -35,7 +43,8 @@ never in a Python loop per packet or per message.
 
 Output is a stream of chunks of the packets table, each sorted by ``ts_ns``, chunks in time order;
 a packet is emitted only once no later message can produce an earlier one, so memory stays
-bounded by the packets in flight, not by the trace.
+bounded by the packets in flight, not by the trace; each NIC's 'busy until' carries over from one
+chunk to the next, and the output does not depend on the chunk size.
 """
 
 from __future__ import annotations
@@ -98,8 +107,10 @@ _DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic"
            "udp_sport": np.int32, "dest_qp": np.int32, "psn": np.int32, "opcode": np.uint8,
            "ack_req": np.bool_, "payload_len": np.int32, "pad": np.uint8, "frame_len": np.int32,
            "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32,
-           # internal: frame kind, QPN of the frame's sender
-           "_kind": np.uint8, "_src_qpn": np.int32}
+           # internal: frame kind, QPN of the frame's sender, the row this frame answers (a
+           # READ response its request, an ACK the data packet it acknowledges; -1 none) and
+           # the time the frame was ready before its NIC's link serialized it
+           "_kind": np.uint8, "_src_qpn": np.int32, "_dep": np.int64, "_ots": np.int64}
 
 
 def _empty() -> dict[str, np.ndarray]:
@@ -233,8 +244,10 @@ class _Messages:
         return np.ceil((frame_len.astype(np.int64) + self.wire_extra) * 8 / self.rate * 1e9).astype(np.int64)
 
 
-def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
-    """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted, as column dicts."""
+def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
+    """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted, as one column dict
+    whose ``_dep`` points at rows of the same dict; ``ts_ns`` is when each frame is ready to go
+    (before its NIC's link serializes it, see :class:`_Links`)."""
     sl = slice(lo, hi)
     npk = M.npk[sl]
     total = int(npk.sum())
@@ -275,7 +288,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
     msg_total = np.where(one, w_first, w_first + (npk - 2) * w_mid + f_last + x)
     span = M.t_end[sl] - M.latency - M.t_start[sl]
     own = np.ceil(msg_total * 8 / M.rate * 1e9).astype(np.int64)
-    span = np.where(span > 0, span, own)
+    span = np.maximum(span, own)                            # never faster than the line rate
     before = k * np.repeat(w_mid, npk) + np.where(k > 0, np.repeat(w_first - w_mid, npk), 0)
     # span * before / total without overflowing int64: (span // total) * before + the remainder
     total_b = np.maximum(msg_total, 1)
@@ -308,12 +321,17 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
         "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
         "dscp": np.full(total, M.dscp, dtype=np.uint8), "ecn": np.full(total, M.ecn, dtype=np.uint8),
         "dma_len": dma, "msn": msn, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
+        "_dep": np.full(total, -1, np.int64),
     }
     parts = [data]
 
     # RDMA READ requests: from the data receiver to the data sender, before the responses
     rr = np.nonzero(M.is_read[sl])[0]
     if len(rr):
+        # each response packet answers its request (rows after the data rows)
+        req_row = np.full(hi - lo, -1, np.int64)
+        req_row[rr] = total + np.arange(len(rr))
+        data["_dep"] = np.repeat(req_row, npk)
         gr = lo + rr
         fl = (M.base + H.RETH.length + M.grh_len[gr]).astype(np.int64)
         wns = M.wire_ns(fl)
@@ -327,6 +345,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
             "dscp": np.full(len(gr), M.dscp, np.uint8), "ecn": np.full(len(gr), M.ecn, np.uint8),
             "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32),
             "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
+            "_dep": np.full(len(gr), -1, np.int64),
         })
 
     # ACKs
@@ -335,6 +354,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
         a_ts = ts[a] + M.wire_ns(flen[a]) + M.latency
         a_g = lo + np.searchsorted(starts, a, side="right") - 1
         a_psn = psn[a]
+        a_dep = a
         a_msn = np.where(last[a], M.msn[a_g], (M.msn[a_g] - 1) % PSN_MOD)
     else:
         am = np.nonzero(M.ack_msg[sl])[0]
@@ -342,6 +362,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
         a_ts = M.ack_ts[a_g]
         a_psn = (M.psn0[a_g] + M.npk[a_g] - 1) % PSN_MOD
         a_msn = M.msn[a_g]
+        a_dep = ends[am]
     if len(a_g):
         na = len(a_g)
         fl = (M.base + H.AETH.length + M.grh_len[a_g]).astype(np.int64)
@@ -355,8 +376,11 @@ def _expand(M: _Messages, lo: int, hi: int) -> list[dict[str, np.ndarray]]:
             "dscp": np.full(na, M.dscp, np.uint8), "ecn": np.full(na, M.ecn, np.uint8),
             "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
+            "_dep": a_dep.astype(np.int64),
         })
-    return parts
+    out = {k: np.concatenate([q[k] for q in parts]) for k in parts[0]}
+    out["_ots"] = out["ts_ns"].copy()
+    return out
 
 
 class _Marker:
@@ -457,7 +481,7 @@ class _Marker:
             "frame_len": fl.astype(np.int32), "dscp": np.full(n, CNP_DSCP, np.uint8),
             "ecn": np.full(n, CNP_ECN, np.uint8), "dma_len": np.full(n, -1, np.int64),
             "msn": np.full(n, -1, np.int32), "_kind": np.full(n, K_CNP, np.uint8),
-            "_src_qpn": p["dest_qp"][r],
+            "_src_qpn": p["dest_qp"][r], "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
         }
 
 
@@ -477,6 +501,88 @@ def _order(p: dict) -> np.ndarray:
 
 def _sorted(p: dict) -> dict:
     return _take(p, _order(p))
+
+
+class _Links:
+    """Each NIC's transmit link: frames from one NIC never overlap on the wire.
+
+    A frame starts no earlier than it is ready (``ts_ns``) and than the previous frame from the
+    same NIC has ended, that frame's duration being its on-wire size at the NIC rate (the frame
+    plus preamble+SFD, FCS and inter-frame gap, IEEE 802.3 clause 4.4.2; IB start/end
+    delimiters). Each NIC sends its frames first come, first served, in the order they were
+    first ready (``_ots``; ties: ACKs first, then data, READ requests, CNPs; then PSN). A frame
+    that answers another (``_dep``: an ACK its data packet, a READ response its request) starts no
+    earlier than the other has arrived (its end + latency). Link time is kept in picoseconds so
+    that back-to-back frames run at the line rate exactly; a frame's ``ts_ns`` is its start
+    rounded up to the nanosecond. ``busy`` carries, per NIC, when its link is free again (ps)
+    from one chunk to the next.
+    """
+
+    def __init__(self, n_nics: int, M: _Messages):
+        self.busy = np.full(max(1, n_nics), np.iinfo(np.int64).min // 4, dtype=np.int64)
+        self.wire_ns = M.wire_ns
+        self.rate = M.rate
+        self.wire_extra = M.wire_extra
+        self.latency = np.int64(M.latency)
+
+    def wire_ps(self, frame_len: np.ndarray) -> np.ndarray:
+        bits = (frame_len.astype(np.int64) + self.wire_extra) * 8
+        return np.ceil(bits * (1e12 / self.rate)).astype(np.int64)
+
+    def arrival_ns(self, ts_ns: np.ndarray, frame_len: np.ndarray) -> np.ndarray:
+        """When a frame sent at ``ts_ns`` has arrived at its peer (last bit, then the latency)."""
+        return ts_ns + self.wire_ns(frame_len) + self.latency
+
+    def _serialize(self, ready: np.ndarray, p: dict, dur: np.ndarray) -> np.ndarray:
+        """Start times ``(n,)`` (ps) of frames ready at ``ready`` (ps) behind the links' current
+        state. Closed form of the queue recursion ``start_i = max(ready_i, start_{i-1} +
+        dur_{i-1})`` per NIC: ``start_i = C_i + max_{j<=i}(ready_j - C_j)`` with ``C`` the
+        durations before ``i``."""
+        nic = p["src_nic"].astype(np.int64)
+        o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic))
+        n_, r_, d_ = nic[o], ready[o], dur[o]
+        first = np.r_[True, n_[1:] != n_[:-1]]
+        heads = np.flatnonzero(first)
+        seg = np.cumsum(first) - 1
+        c = np.cumsum(d_) - d_
+        c = c - c[heads][seg]
+        v = r_ - c
+        v[heads] = np.maximum(v[heads], self.busy[n_[heads]])
+        # running maximum within each NIC's rows: lift each segment above the previous one
+        lift = int(v.max()) - int(v.min()) + 1
+        if lift * len(heads) < (1 << 62):
+            off = seg.astype(np.int64) * np.int64(lift)
+            run = np.maximum.accumulate(v + off) - off
+        else:
+            run = np.concatenate([np.maximum.accumulate(x) for x in np.split(v, heads[1:])])
+        start = np.empty(len(o), dtype=np.int64)
+        start[o] = c + run
+        return start
+
+    def schedule(self, p: dict) -> None:
+        """Place the frames ``p`` (rows' ``_dep`` index ``p``) on their links, setting
+        ``p["ts_ns"]`` to their start. A frame held up by the frame it answers keeps its place
+        in its NIC's order: start times only grow from one pass to the next, and the passes end
+        at the least solution, the same however the frames were cut into chunks."""
+        if not len(p["ts_ns"]):
+            return
+        dur = self.wire_ps(p["frame_len"])
+        ready = p["ts_ns"].copy()
+        dep = p["_dep"]
+        has = np.flatnonzero(dep >= 0)
+        d = dep[has]
+        while True:
+            start = self._serialize(ready * 1000, p, dur)
+            ts = -(-start // 1000)
+            if not len(has):
+                break
+            arrive = self.arrival_ns(ts[d], p["frame_len"][d])
+            late = arrive > ts[has]
+            if not late.any():
+                break
+            ready[has[late]] = np.maximum(ready[has[late]], arrive[late])
+        np.maximum.at(self.busy, p["src_nic"].astype(np.int64), start + dur)
+        p["ts_ns"] = ts
 
 
 def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1 << 17
@@ -514,31 +620,85 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
     if M.n == 0:
         return
 
+    links = _Links(topo.num_nics, M)
+    # With ECN marking, CNPs join the links as they are made: frames are put on the links up to
+    # cuts on a fixed grid of one hop latency, so a CNP (ready a hop after the packet it answers)
+    # is never ready before a frame already placed, whatever the chunk size.
+    grid = max(int(M.latency), 1000) if marker.on else None
     csum = np.cumsum(M.npk + 2)
-    pending = _empty()
+    pending = _empty()      # frames not yet on their link
+    placed = _empty()       # frames placed on their link but not yet emitted
     lo = 0
-    while lo < M.n:
-        base = csum[lo - 1] if lo else 0
-        hi = int(np.searchsorted(csum, base + chunk_packets, side="right"))
-        hi = max(hi, lo + 1)
-        # messages starting at the same ns go together so the boundary below is strict
-        if hi < M.n:
-            hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
-        pool = _concat([pending] + _expand(M, lo, hi))
-        boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
-        lo = hi
-        o = _order(pool)
-        cut = len(o) if boundary is None else int(np.searchsorted(pool["ts_ns"][o], boundary, side="left"))
-        out, pending = _take(pool, o[:cut]), _take(pool, o[cut:])
-        if not len(out["ts_ns"]):
-            continue
-        cnp = marker.mark(out) if marker.on else None
-        if cnp is not None:
-            # CNPs answer packets of this batch; the early ones join it, the rest wait
-            early = cnp["ts_ns"] < boundary if boundary is not None else np.ones(len(cnp["ts_ns"]), bool)
-            out = _sorted(_concat([out, _take(cnp, early)]))
-            pending = _concat([pending, _take(cnp, ~early)])
-        yield {k: out[k] for k in PACKET_COLUMNS}
+    while lo < M.n or len(pending["ts_ns"]) or len(placed["ts_ns"]):
+        boundary = None
+        if lo < M.n:
+            base = csum[lo - 1] if lo else 0
+            hi = int(np.searchsorted(csum, base + chunk_packets, side="right"))
+            hi = max(hi, lo + 1)
+            # messages starting at the same ns go together so the boundary below is strict
+            if hi < M.n:
+                hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
+            new = _expand(M, lo, hi)
+            new["_dep"] = np.where(new["_dep"] >= 0, new["_dep"] + len(pending["ts_ns"]), -1)
+            pending = _concat([pending, new])
+            # no later message makes a frame ready before the boundary; links only delay frames
+            boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
+            lo = hi
+        while True:
+            if grid is None:
+                cut = boundary
+            else:
+                first = [int(pending["_ots"].min())] if len(pending["ts_ns"]) else []
+                first += [int(placed["ts_ns"].min())] if len(placed["ts_ns"]) else []
+                if not first:
+                    break
+                cut = (min(first) // grid + 1) * grid
+                if boundary is not None and cut > boundary:
+                    break
+            # frames first ready before the cut: no frame made later can be served before them
+            go = (pending["_ots"] < cut) if cut is not None else np.ones(len(pending["ts_ns"]), bool)
+            done, pending = _place(links, pending, go)
+            placed = _concat([placed, done])
+            # frames placed before the cut are final and no later frame can come before them
+            o = _order(placed)
+            n_out = len(o) if cut is None else int(np.searchsorted(placed["ts_ns"][o], cut, side="left"))
+            out, placed = _take(placed, o[:n_out]), _take(placed, o[n_out:])
+            if len(out["ts_ns"]):
+                cnp = marker.mark(out) if marker.on else None
+                if cnp is not None:
+                    # CNPs answer packets of this batch; they queue on the receiver's link
+                    cnp["ts_ns"] = np.maximum(cnp["ts_ns"], cut)
+                    cnp["_ots"] = cnp["ts_ns"].copy()
+                    pending = _concat([pending, cnp])
+                yield {k: out[k] for k in PACKET_COLUMNS}
+            if grid is None:
+                break
+
+
+def _place(links: _Links, pool: dict, go: np.ndarray) -> tuple[dict, dict]:
+    """Put the frames ``pool[go]`` on their links; those of ``pool[~go]`` answering a placed frame
+    get its arrival as their earliest time, the others' ``_dep`` is renumbered.
+    Returns (placed frames, frames that stay)."""
+    n = len(go)
+    idx = np.flatnonzero(go)
+    at = np.full(n, -1, np.int64)
+    at[idx] = np.arange(len(idx))
+    sub = _take(pool, idx)
+    sub["_dep"] = np.where(sub["_dep"] >= 0, at[np.maximum(sub["_dep"], 0)], -1)
+    links.schedule(sub)
+    rest = np.flatnonzero(~go)
+    stay = _take(pool, rest)
+    dep = stay["_dep"]
+    on_link = (dep >= 0) & go[np.maximum(dep, 0)]
+    if on_link.any():
+        d = at[dep[on_link]]
+        arrive = links.arrival_ns(sub["ts_ns"][d], sub["frame_len"][d])
+        stay["ts_ns"][on_link] = np.maximum(stay["ts_ns"][on_link], arrive)
+        dep[on_link] = -1
+    new_index = np.full(n, -1, np.int64)
+    new_index[rest] = np.arange(len(rest))
+    stay["_dep"] = np.where(dep >= 0, new_index[np.maximum(dep, 0)], -1)
+    return sub, stay
 
 
 __all__ = ["packetize", "PACKET_COLUMNS", "OPCODE_TABLE", "CREDIT_CODE", "ACK_SYNDROME"]
