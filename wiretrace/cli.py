@@ -461,8 +461,9 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
         raise WiretraceError(f"-o {out_dir}: is a file; expected a directory for the figures")
     if html_path is not None:
         check_output_free(html_path, force)
-        if not html_path.resolve().parent.is_dir():
-            raise WiretraceError(f"--html {html_path}: directory {html_path.resolve().parent} does not exist")
+        parent = html_path.resolve().parent
+        if not parent.is_dir() and parent != out_dir.resolve():     # -o DIR is created below
+            raise WiretraceError(f"--html {html_path}: directory {parent} does not exist")
     s, inp = analyze(input_path, **kwargs)
     figs = write_all(s, out_dir, phase_spans=inp.phase_spans() if inp.phase_spans else None, force=force)
     for _, png, svg in figs:
