@@ -342,6 +342,8 @@ def test_real_vectors_on_veth(netns_pair, tmp_path):
     assert r.returncode == 0, r.stderr
     assert [g for _, g in got] == want
     assert "sent 2 packets, 152 bytes" in r.stdout
+    # no schedule to keep: no timing error to report
+    assert "timing error   n/a (--topspeed sends without a schedule)" in r.stdout.splitlines()
 
 
 def test_errors_are_one_line_exit_2(netns_pair, capture, tmp_path):
@@ -366,6 +368,19 @@ def test_errors_are_one_line_exit_2(netns_pair, capture, tmp_path):
     r = replay_in(ns, str(ib), "--iface", dev)
     assert r.returncode == 2
     assert r.stderr.startswith(f"error: capture link type 247 (InfiniBand) cannot be sent on {dev} (Ethernet)")
+    # native InfiniBand in ERF: named by its ERF record type and the ERF link type
+    erf = tmp_path / "ib.erf"
+    doc = json.loads(PLAN.read_text())
+    doc["transport"] = {"kind": "ib", "path_mtu": 4096}
+    (tmp_path / "ib.json").write_text(json.dumps(doc))
+    window = busy_window(tmp_path, tmp_path / "ib.json", 2_000)
+    r = run([*WIRETRACE, "generate", "--plan", str(tmp_path / "ib.json"), "-o", str(erf), "-q", "--no-parquet",
+             "--window", window])
+    assert r.returncode == 0, r.stderr
+    r = replay_in(ns, str(erf), "--iface", dev)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"error: ERF records of type 21 (InfiniBand; pcap link type 197) cannot be sent "
+                               f"on {dev} (Ethernet)")
     # not a capture
     bad = tmp_path / "notes.txt"
     bad.write_text("hello\n")

@@ -521,6 +521,8 @@ def replay(capture, iface, udp, speed, pps, mbps, topspeed, loop, engine, rt_pri
     if rep.timing_error_mean_ns is not None:
         click.echo(f"timing error   mean {fmt_ns(rep.timing_error_mean_ns)}, p99 {fmt_ns(rep.timing_error_p99_ns)}, "
                    f"max {fmt_ns(rep.timing_error_max_ns)}")
+    elif topspeed:
+        click.echo("timing error   n/a (--topspeed sends without a schedule)")
     if rep.padded:
         click.echo(f"completed      {rep.padded:,} truncated frames to their original length (payload "
                    f"pattern, ICRC recomputed)")

@@ -50,7 +50,7 @@ import numpy as np
 
 from .analysis.stats import Distribution
 from .errors import WiretraceError
-from .io.capture import LINKTYPE_ERF, LINKTYPE_ETHERNET, iter_frames, open_capture
+from .io.capture import LINKTYPE_ERF, LINKTYPE_ETHERNET, LINKTYPE_INFINIBAND, iter_frames, open_capture
 
 ARPHRD_ETHER = 1
 ARPHRD_LOOPBACK = 772
@@ -58,6 +58,9 @@ ARPHRD_INFINIBAND = 32
 _ARPHRD_NAMES = {ARPHRD_ETHER: "Ethernet", ARPHRD_LOOPBACK: "loopback", ARPHRD_INFINIBAND: "InfiniBand (IPoIB)"}
 _LINKTYPE_NAMES = {1: "Ethernet", 101: "raw IP", 113: "Linux cooked", 197: "ERF", 228: "raw IPv4",
                    229: "raw IPv6", 247: "InfiniBand", 276: "Linux cooked v2"}
+ERF_TYPE_NAMES = {LINKTYPE_INFINIBAND: (21, "InfiniBand")}
+"""ERF record type behind the link type the capture reader gives an ERF record's bytes (ERF
+types: Endace ERF specification; type 21 = InfiniBand, as Mellanox ibdump writes)."""
 IFF_UP = 0x1
 ETH_HEADER_LEN = 14
 SPIN_NS = 200_000
@@ -75,7 +78,8 @@ class ReplayReport:
     loops : passes over the capture.
     duration_ns : first to last send.
     achieved_pps, achieved_bps : (packets - 1) / duration, bits of all but the last frame / duration.
-    timing_error_mean_ns, timing_error_p99_ns, timing_error_max_ns : |actual - due| send time.
+    timing_error_mean_ns, timing_error_p99_ns, timing_error_max_ns : |actual - due| send time;
+        None with ``topspeed`` (no due times) and with tcpreplay.
     padded : truncated frames completed to their original length.
     zero_padded : of those, frames padded with zero bytes (not RoCEv2/IB, or headers not
         captured): their ICRC does not match.
@@ -134,12 +138,18 @@ def check_interface(name: str) -> tuple[int, int]:
     return kind, mtu
 
 
-def _check_linktypes(linktype: np.ndarray, iface: str, kind: int) -> None:
+def _check_linktypes(linktype: np.ndarray, iface: str, kind: int, fmt: str = "pcap") -> None:
     bad = linktype != LINKTYPE_ETHERNET
     if bad.any():
         lt = int(linktype[np.argmax(bad)])
+        if fmt == "erf":
+            # an ERF file (pcap link type 197) whose records are not Ethernet ones
+            what = (f"ERF records of type {ERF_TYPE_NAMES[lt][0]} ({ERF_TYPE_NAMES[lt][1]}; pcap link type "
+                    f"{LINKTYPE_ERF})" if lt in ERF_TYPE_NAMES else f"ERF records (pcap link type {LINKTYPE_ERF})")
+        else:
+            what = f"capture link type {lt} ({_LINKTYPE_NAMES.get(lt, 'unknown')})"
         raise WiretraceError(
-            f"capture link type {lt} ({_LINKTYPE_NAMES.get(lt, 'unknown')}) cannot be sent on {iface} "
+            f"{what} cannot be sent on {iface} "
             f"({_ARPHRD_NAMES.get(kind, kind)}): only Ethernet frames (link type 1) go on an Ethernet "
             "interface; use --udp HOST:PORT to send the RoCE part of InfiniBand frames")
 
@@ -457,6 +467,7 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
         raise WiretraceError(f"--engine {engine}: expected native or tcpreplay")
     with open_capture(capture) as cap:   # one clear line now when the file is not a capture
         declared = [i.linktype for i in cap.interfaces]
+        fmt = cap.format
     if iface is not None and declared:
         # a pcap declares its link type up front: refuse before sending anything (pcapng and ERF
         # files are checked batch by batch as their interfaces appear)
@@ -470,8 +481,8 @@ def replay(capture: str | Path, *, iface: str | None = None, udp: str | None = N
             raise WiretraceError("--engine tcpreplay sends on interfaces only; use the native engine with --udp")
         return _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop)
     if iface is not None:
-        return _replay_native(capture, iface, None, speed, pps, mbps, topspeed, loop, progress)
-    return _replay_native(capture, None, udp, speed, pps, mbps, topspeed, loop, progress)
+        return _replay_native(capture, iface, None, speed, pps, mbps, topspeed, loop, progress, fmt)
+    return _replay_native(capture, None, udp, speed, pps, mbps, topspeed, loop, progress, fmt)
 
 
 def _udp_parts(batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -497,7 +508,7 @@ def _udp_parts(batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, length, cols
 
 
-def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progress) -> ReplayReport:
+def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progress, fmt="pcap") -> ReplayReport:
     rep = ReplayReport(engine="native", target=iface or udp)
     if iface is not None:
         kind, mtu = check_interface(iface)
@@ -530,7 +541,7 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                 caplen = batch.caplen.astype(np.int64)
                 origlen = batch.origlen.astype(np.int64)
                 if iface is not None:
-                    _check_linktypes(batch.linktype, iface, kind)
+                    _check_linktypes(batch.linktype, iface, kind, fmt)
                     big = origlen > max_frame
                     if big.any():
                         i = int(np.argmax(big))
@@ -600,9 +611,10 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
         if rep.duration_ns > 0 and rep.packets > 1:
             rep.achieved_pps = (rep.packets - 1) * 1e9 / rep.duration_ns
             rep.achieved_bps = (rep.bytes - last_bytes) * 8e9 / rep.duration_ns
-        rep.timing_error_mean_ns = err_sum / errors.count
-        rep.timing_error_p99_ns = errors.percentile(99)
-        rep.timing_error_max_ns = errors.max
+        if not topspeed:     # as fast as possible: no schedule, so no timing error to report
+            rep.timing_error_mean_ns = err_sum / errors.count
+            rep.timing_error_p99_ns = errors.percentile(99)
+            rep.timing_error_max_ns = errors.max
     return rep
 
 
