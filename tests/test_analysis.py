@@ -759,3 +759,21 @@ def test_by_node_needs_the_plan_for_captures(generated, tmp_path):
     r = cli("summarize", str(pqdir), "--by", "node", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["by"]["rows"] == rows
+
+
+def test_timescale_longer_than_the_capture_has_no_variability(capture_file):
+    """The capture spans about 1.5 ms: at 10 ms there is one window, so peak-to-mean, CoV and IDC
+    are undefined (None, "n/a"), not 1 and 0; at 1 ms there are two."""
+    path, frames, _ = capture_file
+    span_ns = (frames[-1].time - frames[0].time) * 1e9
+    assert 1e6 < span_ns < 2e6
+    doc = summarize(path)
+    rows = {r["timescale_ns"]: r for r in doc["burstiness"] if r["direction"] == "tx"}
+    assert rows[10_000_000]["windows"] == 1
+    assert (rows[10_000_000]["peak_to_mean"], rows[10_000_000]["cov"], rows[10_000_000]["index_of_dispersion"]) == \
+        (None, None, None)
+    assert rows[1_000_000]["windows"] == 2 and rows[1_000_000]["cov"] > 0
+    r = cli("summarize", str(path))
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if "10 ms" in x and "tx" in x)
+    assert "n/a (fewer than 2 windows)" in line

@@ -367,7 +367,10 @@ class Burstiness:
         return max(1, math.ceil((end_ns - self.origin_ns) / T))
 
     def window_stats(self, key: int, end_ns: int | None = None) -> list[dict]:
-        """Rows for one key, one per timescale (see the module docstring for the definitions)."""
+        """Rows for one key, one per timescale (see the module docstring for the definitions).
+
+        Peak-to-mean, CoV and index of dispersion are None when the span holds fewer than two
+        windows of the timescale (a timescale longer than the capture)."""
         self.finish()
         rows = []
         for T, win in zip(self.timescales_ns, self.windows):
@@ -377,15 +380,16 @@ class Burstiness:
             var_b = max(sq / n - mean_b * mean_b, 0.0)
             mean_p = win.sum_p[key] / n
             var_p = max(win.sumsq_p[key] / n - mean_p * mean_p, 0.0)
+            varies = n >= 2        # one window has nothing to vary against: no ratio, not 0
             rows.append({
                 "timescale_ns": T,
                 "windows": int(n),
                 "busy_windows": int(win.busy[key]),
                 "mean_bytes": mean_b,
                 "peak_bytes": float(win.max_b[key]),
-                "peak_to_mean": (win.max_b[key] / mean_b) if mean_b > 0 else None,
-                "cov": (math.sqrt(var_b) / mean_b) if mean_b > 0 else None,
-                "index_of_dispersion": (var_p / mean_p) if mean_p > 0 else None,
+                "peak_to_mean": (win.max_b[key] / mean_b) if mean_b > 0 and varies else None,
+                "cov": (math.sqrt(var_b) / mean_b) if mean_b > 0 and varies else None,
+                "index_of_dispersion": (var_p / mean_p) if mean_p > 0 and varies else None,
                 "peak_packets": int(win.max_p[key]),
                 "peak_bps": win.max_b[key] * 8e9 / T,
                 "peak_utilization": (win.max_w[key] * 8e9 / T / self.line_rate_bps)

@@ -109,9 +109,10 @@ def tables(doc: dict, top_flows: int = 20, top_series: int = 16) -> list[tuple[s
     onoff = [r for r in doc["onoff"] if (r["nic"], r["direction"]) in keep]
     out.append((f"Burstiness (windows of each timescale over the whole span{more})",
                 ["nic", "dir", "timescale", "peak/mean", "CoV", "IDC", "peak rate", "peak util."],
-                [[r["nic"], r["direction"], fmt_ns(r["timescale_ns"]), fmt_num(r["peak_to_mean"]),
-                  fmt_num(r["cov"]), fmt_num(r["index_of_dispersion"]), fmt_rate(r["peak_bps"]),
-                  fmt_pct(r["peak_utilization"])] for r in burst]))
+                [[r["nic"], r["direction"], fmt_ns(r["timescale_ns"])]
+                 + ([fmt_num(r["peak_to_mean"]), fmt_num(r["cov"]), fmt_num(r["index_of_dispersion"])]
+                    if r["windows"] >= 2 else ["n/a", "n/a (fewer than 2 windows)", "n/a"])
+                 + [fmt_rate(r["peak_bps"]), fmt_pct(r["peak_utilization"])] for r in burst]))
     out.append((f"On/off periods (a burst ends after an idle gap > {fmt_ns(doc['idle_gap_ns'])}{more})",
                 ["nic", "dir", "bursts", "burst bytes p50", "p99", "on p50", "on p99", "off p50", "off p99"],
                 [[r["nic"], r["direction"], f"{r['bursts']:,}", fmt_bytes(r["burst_bytes"]["p50"]),
