@@ -405,12 +405,15 @@ def test_capture_summary_flows_messages_opcodes(capture_file):
 
 def test_capture_messages_split_across_batches(capture_file, monkeypatch):
     """Message reassembly carries partial messages from one batch to the next."""
-    from wiretrace.io import capture as cap_mod
+    from wiretrace.analysis import sources
 
     path, _, sizes = capture_file
-    real = cap_mod.iter_frames
-    monkeypatch.setattr(cap_mod, "iter_frames", lambda p, **kw: real(p, **{**kw, "max_frames": 3}))
+    monkeypatch.setattr(sources, "CAPTURE_BATCH_FRAMES", 3)
+    seen = []
+    real = sources._capture_batch
+    monkeypatch.setattr(sources, "_capture_batch", lambda cols, ids: seen.append(len(cols["row"])) or real(cols, ids))
     doc = summarize(path)
+    assert max(seen) == 3 and sum(seen) == doc["totals"]["packets"]
     assert doc["message_sizes"]["count"] == len(sizes) and doc["message_sizes"]["sum"] == sum(sizes)
 
 
@@ -777,3 +780,23 @@ def test_timescale_longer_than_the_capture_has_no_variability(capture_file):
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if "10 ms" in x and "tx" in x)
     assert "n/a (fewer than 2 windows)" in line
+
+
+def test_cut_off_capture_is_one_warning_line(capture_file, tmp_path):
+    """A capture that ends inside a record (still being written, or cut by a copy) is summarized
+    up to its last complete frame with one warning line, not a Python warning."""
+    path, frames, _ = capture_file
+    data = path.read_bytes()
+    cut = tmp_path / "c_trunc.pcap"
+    cut.write_bytes(data[:-100])                  # the last record loses its last 100 bytes
+    r = cli("summarize", str(cut), "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == f"warning: {cut} is cut off after {len(frames) - 1:,} frames; summarized what was complete\n"
+    doc = json.loads(r.stdout)
+    assert doc["input"]["cut_off_after_frames"] == len(frames) - 1
+    assert doc["totals"]["packets"] == len(frames) - 1
+    assert doc["totals"]["bytes"] == sum(len(bytes(p)) for p in frames[:-1])
+    r = cli("plot", str(cut), "-o", str(tmp_path / "figs"))
+    assert r.returncode == 0 and r.stderr.startswith(f"warning: {cut} is cut off after") and \
+        len(r.stderr.splitlines()) == 1
+    assert "cut_off_after_frames" not in summarize(path)["input"]

@@ -397,6 +397,14 @@ def _analysis_kwargs(plan_path, line_rate, idle_gap, timescales) -> dict:
     }
 
 
+def _warn_cut_off(path, info: dict) -> None:
+    """One warning line on stderr when the capture ends inside a record."""
+    n = info.get("cut_off_after_frames")
+    if n is not None:
+        click.echo(f"warning: {path} is cut off after {n:,} frame{'s' if n != 1 else ''}; "
+                   "summarized what was complete", err=True)
+
+
 @main.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (stable keys).")
@@ -427,6 +435,7 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
     if top_flows < 0:
         raise WiretraceError(f"--flows {top_flows}: expected 0 or more flows to list")
     doc = run(input_path, by=by, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
+    _warn_cut_off(input_path, doc["input"])
     if as_json:
         click.echo(to_json(doc))
     else:
@@ -465,6 +474,7 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
         if not parent.is_dir() and parent != out_dir.resolve():     # -o DIR is created below
             raise WiretraceError(f"--html {html_path}: directory {parent} does not exist")
     s, inp = analyze(input_path, **kwargs)
+    _warn_cut_off(input_path, inp.info)
     figs = write_all(s, out_dir, phase_spans=inp.phase_spans() if inp.phase_spans else None, force=force)
     for _, png, svg in figs:
         click.echo(f"wrote {png} and {svg.name}")

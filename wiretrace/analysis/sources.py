@@ -35,6 +35,8 @@ from .summary import Endpoints
 
 PARQUET_TABLES = ("packets.parquet", "messages.parquet", "collectives.parquet")
 BATCH_ROWS = 1 << 18
+CAPTURE_BATCH_FRAMES = 65536
+"""Frames of a capture parsed at a time."""
 
 
 @dataclass
@@ -53,7 +55,8 @@ class Input:
         wire per network message), or None when messages are reassembled from the packets'
         opcodes.
     phase_spans : callable returning ``[(phase, start_ns, end_ns), ...]`` (Parquet input only).
-    info : counters filled while reading (frames skipped and why).
+    info : counters filled while reading (frames skipped and why; ``cut_off_after_frames`` when
+        a capture ends inside a record: the number of complete frames summarized).
     """
 
     kind: str
@@ -323,17 +326,24 @@ def _open_capture(path: Path, plan, rate) -> Input:
         return ids[inv.ravel()]
 
     def batches() -> Iterator[dict]:
-        from ..transport.parse import ParseStats, iter_packets
+        from ..transport.parse import ParseStats, parse_frames
 
         stats = ParseStats()
-        for fb, cols in iter_packets(path, stats=stats, on_truncated="warn"):
-            info["frames"] = stats.frames
-            info["roce_frames"] = stats.roce
-            if stats.non_roce:
-                info["skipped"]["not RoCEv2/InfiniBand"] = stats.non_roce
-            b = _capture_batch(cols, endpoint_ids)
-            if b is not None:
-                yield b
+        with open_capture(path) as cap:
+            for fb in cap.batches(max_frames=CAPTURE_BATCH_FRAMES):
+                cols = parse_frames(fb)
+                stats.add(len(fb), cols)
+                info["frames"] = stats.frames
+                info["roce_frames"] = stats.roce
+                if stats.non_roce:
+                    info["skipped"]["not RoCEv2/InfiniBand"] = stats.non_roce
+                b = _capture_batch(cols, endpoint_ids)
+                if b is not None:
+                    yield b
+            if cap.truncated is not None:
+                # the file ends inside a record (a capture still being written, or cut by a copy):
+                # what came before it is summarized
+                info["cut_off_after_frames"] = cap.truncated.frame - 1
         info["truncated_frames"] = stats.truncated
 
     return Input("capture", path, eps, {}, rate, batches, None, None, info)
