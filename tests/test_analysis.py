@@ -565,13 +565,15 @@ def pa_schema_strings(schema):
     return pa.schema([pa.field(f.name, pa.string() if pa.types.is_dictionary(f.type) else f.type) for f in schema])
 
 
-def test_generated_pcapng_and_native_ib_erf(tmp_path):
+def test_generated_pcapng_and_native_ib_erf(generated, tmp_path):
     """The same window as pcap and pcapng summarizes alike; a native InfiniBand ERF capture names
     ports by LID and agrees with its packets table."""
     from wiretrace.plan import load
 
+    t0 = int(np_table(generated[1] / "packets.parquet", ["ts_ns"])["ts_ns"].min())   # first 30 µs of traffic
+    window = f"{t0}:{t0 + 30_000}"
     for fmt in ("pcap", "pcapng"):
-        r = cli("generate", "--plan", str(PLAN), "-o", str(tmp_path / f"w.{fmt}"), "--window", "5ms:5.03ms", "-q",
+        r = cli("generate", "--plan", str(PLAN), "-o", str(tmp_path / f"w.{fmt}"), "--window", window, "-q",
                 "--no-parquet")
         assert r.returncode == 0, r.stderr
     a, b = summarize(tmp_path / "w.pcap"), summarize(tmp_path / "w.pcapng")
@@ -583,7 +585,7 @@ def test_generated_pcapng_and_native_ib_erf(tmp_path):
     doc["transport"] = {"kind": "ib", "path_mtu": 4096}
     ib_plan = tmp_path / "ib.json"
     ib_plan.write_text(json.dumps(doc))
-    r = cli("generate", "--plan", str(ib_plan), "-o", str(tmp_path / "ib.erf"), "--window", "5ms:5.03ms", "-q")
+    r = cli("generate", "--plan", str(ib_plan), "-o", str(tmp_path / "ib.erf"), "--window", window, "-q")
     assert r.returncode == 0, r.stderr
     s = summarize(tmp_path / "ib.erf", plan=load(ib_plan))
     assert s["input"]["format"] == "erf"
