@@ -38,8 +38,9 @@ never in a Python loop per packet or per message.
   packets, or those arriving at the receiver's switch port while its queue (drained at the NIC
   rate) holds more than ``queue_bytes``, are marked CE; the receiver answers with a CNP (opcode
   0x81, BECN, DSCP 48, ECT(0), UDP source port 0, PSN 0, 16 reserved bytes: what ConnectX sends,
-  see ``../shared/real/roce_packets``) to the sending QP, at most one per QP per ``cnp_interval``
-  (default 4 us, ConnectX's ``min_time_between_cnps``).
+  see ``../shared/real/roce_packets``) to the sending QP; consecutive CNPs to one QP are at least
+  ``cnp_interval`` apart (default 4 us, ConnectX's ``min_time_between_cnps``, a minimum gap per
+  QP measured from the previous CNP, not a time slot).
 
 Output is a stream of chunks of the packets table, each sorted by ``ts_ns``, chunks in time order;
 a packet is emitted only once no later message can produce an earlier one, so memory stays
@@ -405,7 +406,9 @@ class _Marker:
         self.base = M.base
         self.wire_ns = M.wire_ns
         self.q_state: dict[int, tuple[int, float]] = {}   # dst NIC -> (last arrival ns, backlog incl.)
-        self.cnp_last: dict[int, int] = {}                # (nic, qpn) key -> last CNP bucket
+        # last CNP per QP: keys (NIC << 24 | QPN) sorted, and the time of that QP's last CNP
+        self.cnp_keys = np.zeros(0, dtype=np.int64)
+        self.cnp_last = np.zeros(0, dtype=np.int64)
 
     def mark(self, p: dict) -> dict | None:
         """Mark CE in place on the data packets of ``p`` (sorted by ts); return the CNPs."""
@@ -450,23 +453,51 @@ class _Marker:
             self.q_state[nic] = (int(a[hi - 1]), float(backlog[-1] + ss[-1]))
         return out
 
+    def _space(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """Indices of the CE-marked packets (QP ``key``, arrival ``ts``) that get a CNP: per QP, the
+        first arrival at least ``interval`` after that QP's previous CNP, then greedily each next
+        one at least ``interval`` after the last CNP sent (ConnectX ``min_time_between_cnps`` is
+        a minimum gap per QP, not a time slot). Vectorized: each pass follows one step of every
+        QP's chain of 'next arrival an interval later'; the passes are as many as CNPs per QP in
+        the batch."""
+        o = np.lexsort((ts, key))
+        k, t = key[o], ts[o]
+        # the QP's previous CNP (earlier batches)
+        pos = np.searchsorted(self.cnp_keys, k)
+        pos_c = np.minimum(pos, max(len(self.cnp_keys) - 1, 0))
+        known = (pos < len(self.cnp_keys)) & (self.cnp_keys[pos_c] == k) if len(self.cnp_keys) else np.zeros(len(k), bool)
+        ok = ~known | (t >= (self.cnp_last[pos_c] if len(self.cnp_keys) else 0) + self.interval)
+        o, k, t = o[ok], k[ok], t[ok]
+        if not len(o):
+            return o
+        # next candidate of the same QP at least one interval later (n = none)
+        n = len(o)
+        qp_rank = np.cumsum(np.r_[True, k[1:] != k[:-1]]) - 1
+        width = int(t.max()) - int(t.min()) + self.interval + 1
+        flat = qp_rank * np.int64(width) + (t - t.min())
+        nxt = np.maximum(np.searchsorted(flat, flat + self.interval, side="left"), np.arange(1, n + 1))
+        nxt = np.where((nxt < n) & (qp_rank[np.minimum(nxt, n - 1)] == qp_rank), nxt, n)
+        chosen = np.zeros(n + 1, dtype=bool)
+        frontier = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        while len(frontier):
+            chosen[frontier] = True
+            frontier = nxt[frontier]
+            frontier = frontier[frontier < n]
+        chosen = chosen[:n]
+        # remember each QP's last CNP
+        ck, ct = k[chosen], t[chosen]
+        last = np.r_[ck[1:] != ck[:-1], True]
+        keys = np.r_[self.cnp_keys, ck[last]]
+        times = np.r_[self.cnp_last, ct[last]]
+        u, first_from_end = np.unique(keys[::-1], return_index=True)
+        self.cnp_keys, self.cnp_last = u, times[::-1][first_from_end]
+        return np.sort(o[chosen])
+
     def _cnps(self, p: dict, rows: np.ndarray) -> dict | None:
         ts = p["ts_ns"][rows] + self.wire_ns(p["frame_len"][rows]) + self.latency
         nic = p["dst_nic"][rows].astype(np.int64)
         qpn = p["_src_qpn"][rows].astype(np.int64)
-        key = nic * (1 << 24) + qpn
-        bucket = ts // self.interval
-        o = np.lexsort((ts, bucket, key))
-        k2, b2 = key[o], bucket[o]
-        first = np.r_[True, (k2[1:] != k2[:-1]) | (b2[1:] != b2[:-1])]
-        sel = o[first]
-        keep = np.ones(len(sel), dtype=bool)
-        for j, (kk, bb) in enumerate(zip(key[sel].tolist(), bucket[sel].tolist())):
-            if self.cnp_last.get(kk, -1) >= bb:
-                keep[j] = False
-            else:
-                self.cnp_last[kk] = bb
-        sel = sel[keep]
+        sel = self._space(nic * (1 << 24) + qpn, ts)
         if not len(sel):
             return None
         r = rows[sel]
