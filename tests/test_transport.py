@@ -684,6 +684,24 @@ def test_tshark_decodes_every_frame_and_fields_equal_the_table(tmp_path, label, 
     assert tshark_expert_problems(path) == []
 
 
+@pytest.mark.parametrize("verb", ["write_imm", "send_imm"])
+def test_immediate_data_is_the_message_size_as_nccl_posts_it(tmp_path, verb):
+    # NCCL's ncclIbMultiSend (src/transport/net_ib.cc), one request: imm_data = reqs[0]->send.size
+    plan, topo = make_plan({"verb": verb})
+    sizes = [0, 1, 1024, 2500, 70_000]
+    m = serial_messages(sizes, gap=3000)
+    m["msg_id"] = np.arange(len(sizes)) + 7_000_000_000      # ids above 32 bits do not leak in
+    p = all_packets(m, topo, plan)
+    has = p["imm"] >= 0
+    assert int(has.sum()) == len(sizes)
+    assert p["imm"][has].tolist() == sizes
+    path = tmp_path / "imm.pcap"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    rows = tshark_fields(path, ["infiniband.immdt"])
+    got = [int(r[0].replace(":", ""), 16) for r in rows if r and r[0]]
+    assert got == sizes
+
+
 def test_ip_checksums_and_lengths_verified_by_tshark(tmp_path):
     plan, topo = make_plan()
     p = all_packets(_mixed_messages(), topo, plan)

@@ -12,7 +12,8 @@ never in a Python loop per packet or per message.
   ``send_imm`` the SEND forms; ``read`` an RDMA READ REQUEST (RETH, from the data receiver) that
   consumes as many PSNs as it has responses, then READ RESPONSE FIRST (AETH) / MIDDLE / LAST (AETH)
   or ONLY (AETH) from the data sender. The RETH DMA length is the message length; ImmDt carries
-  the low 32 bits of ``msg_id`` so that a capture can be joined back to the messages table.
+  the message size in bytes (low 32 bits), as NCCL's IB transport posts it for a single request
+  (``ncclIbMultiSend``, ``src/transport/net_ib.cc``: ``imm_data = reqs[0]->send.size``).
 * **PSN** per requester QP, 24 bits, wrapping, contiguous over the QP's messages in posting order
   (``t_start_ns``, then ``msg_id``), from ``transport.initial_psn``.
 * **ACKs** (RC ACKNOWLEDGE, AETH): ``transport.ack`` ``"message"`` (default): one per message, sent
@@ -94,20 +95,22 @@ OP_CNP = H.CNP_OPCODE
 
 _HAS_RETH = np.zeros(256, dtype=bool)
 _HAS_AETH = np.zeros(256, dtype=bool)
+_HAS_IMM = np.zeros(256, dtype=bool)
 for _c, _o in H.OPCODES.items():
     _HAS_RETH[_c] = "reth" in _o.ext
     _HAS_AETH[_c] = "aeth" in _o.ext
-HAS_RETH, HAS_AETH = _HAS_RETH, _HAS_AETH
+    _HAS_IMM[_c] = "immdt" in _o.ext
+HAS_RETH, HAS_AETH, HAS_IMM = _HAS_RETH, _HAS_AETH, _HAS_IMM
 
 # internal frame kinds
 K_DATA, K_ACK, K_READ_REQ, K_CNP = 0, 1, 2, 3
 
 PACKET_COLUMNS = ("ts_ns", "msg_id", "src_nic", "dst_nic", "udp_sport", "dest_qp", "psn", "opcode",
-                  "ack_req", "payload_len", "pad", "frame_len", "dscp", "ecn", "dma_len", "msn")
+                  "ack_req", "payload_len", "pad", "frame_len", "dscp", "ecn", "dma_len", "msn", "imm")
 _DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic": np.int32,
            "udp_sport": np.int32, "dest_qp": np.int32, "psn": np.int32, "opcode": np.uint8,
            "ack_req": np.bool_, "payload_len": np.int32, "pad": np.uint8, "frame_len": np.int32,
-           "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32,
+           "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32, "imm": np.int64,
            # internal: frame kind, QPN of the frame's sender, the row this frame answers (a
            # READ response its request, an ACK the data packet it acknowledges; -1 none) and
            # the time the frame was ready before its NIC's link serialized it
@@ -309,6 +312,9 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
     dma = np.full(total, -1, dtype=np.int64)
     has_reth = HAS_RETH[opcode[starts]]
     dma[starts[has_reth]] = b[has_reth]
+    imm = np.full(total, -1, dtype=np.int64)
+    has_imm = HAS_IMM[opcode[ends]]
+    imm[ends[has_imm]] = b[has_imm] & 0xFFFFFFFF
     msn = np.full(total, -1, dtype=np.int32)
     if is_read.any():
         mm = M.msn[sl]
@@ -321,7 +327,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
         "udp_sport": rep(M.udp_sport), "dest_qp": rep(M.qp_dst32), "psn": psn.astype(np.int32),
         "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
         "dscp": np.full(total, M.dscp, dtype=np.uint8), "ecn": np.full(total, M.ecn, dtype=np.uint8),
-        "dma_len": dma, "msn": msn, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
+        "dma_len": dma, "msn": msn, "imm": imm, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
         "_dep": np.full(total, -1, np.int64),
     }
     parts = [data]
@@ -344,7 +350,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "ack_req": np.zeros(len(gr), bool), "payload_len": np.zeros(len(gr), np.int32),
             "pad": np.zeros(len(gr), np.uint8), "frame_len": fl.astype(np.int32),
             "dscp": np.full(len(gr), M.dscp, np.uint8), "ecn": np.full(len(gr), M.ecn, np.uint8),
-            "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32),
+            "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32), "imm": np.full(len(gr), -1, np.int64),
             "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
             "_dep": np.full(len(gr), -1, np.int64),
         })
@@ -375,7 +381,7 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "ack_req": np.zeros(na, bool), "payload_len": np.zeros(na, np.int32),
             "pad": np.zeros(na, np.uint8), "frame_len": fl.astype(np.int32),
             "dscp": np.full(na, M.dscp, np.uint8), "ecn": np.full(na, M.ecn, np.uint8),
-            "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32),
+            "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32), "imm": np.full(na, -1, np.int64),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
             "_dep": a_dep.astype(np.int64),
         })
@@ -511,7 +517,7 @@ class _Marker:
             "payload_len": np.zeros(n, np.int32), "pad": np.zeros(n, np.uint8),
             "frame_len": fl.astype(np.int32), "dscp": np.full(n, CNP_DSCP, np.uint8),
             "ecn": np.full(n, CNP_ECN, np.uint8), "dma_len": np.full(n, -1, np.int64),
-            "msn": np.full(n, -1, np.int32), "_kind": np.full(n, K_CNP, np.uint8),
+            "msn": np.full(n, -1, np.int32), "imm": np.full(n, -1, np.int64), "_kind": np.full(n, K_CNP, np.uint8),
             "_src_qpn": p["dest_qp"][r], "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
         }
 

@@ -17,8 +17,9 @@ What goes on the wire (sources in brackets):
 * BTH: opcode, SE 0, MigReq 1 (0 in CNPs, as ConnectX sends them), PadCnt, TVer 0, P_Key 0xFFFF,
   BECN in CNPs, DestQP, AckReq, PSN [IBTA 9.2].
 * RETH: VA ``0x7F00_0000_0000 + (msg_id mod 2^16) * 2^24``, R_Key ``0x100000 + dst NIC``, DMA
-  length; ImmDt: the low 32 bits of ``msg_id``; AETH: ACK syndrome with credit count, MSN;
-  CNP: 16 zero bytes [IBTA 9.3, annex A17.9.3].
+  length; ImmDt: the packets' ``imm`` column (the message size in bytes, as NCCL's
+  ``ncclIbMultiSend`` posts it); AETH: ACK syndrome with credit count, MSN; CNP: 16 zero bytes
+  [IBTA 9.3, annex A17.9.3].
 * Payload: byte ``i`` of every packet's payload is ``i mod 256`` (deterministic, and constant per
   payload length so its CRC contribution is computed once); pad bytes 0; ICRC (and VCRC) over the
   result (:mod:`wiretrace.transport.icrc`).
@@ -208,7 +209,7 @@ def _ext_rows(F: _Frames, packets, code: int, rows: np.ndarray) -> np.ndarray:
                     "rkey": (RKEY_BASE + (F.dst[rows] & 0xFFFFF)).astype(np.uint32),
                     "dmalen": (_col(packets, "dma_len", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
         elif hname == "immdt":
-            vals = {"imm": (_col(packets, "msg_id", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
+            vals = {"imm": (_col(packets, "imm", np.int64)[rows] & 0xFFFFFFFF).astype(np.uint32)}
         elif hname == "aeth":
             vals = {"syndrome": ACK_SYNDROME,
                     "msn": (_col(packets, "msn", np.int64)[rows] & 0xFFFFFF).astype(np.uint32)}
