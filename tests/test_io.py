@@ -241,3 +241,80 @@ def test_frames_rendered_in_small_pieces_give_the_same_files(tmp_path, roce, mon
     assert names == sorted(f.name for f in b.iterdir()) and names
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+@pytest.mark.parametrize("suffix", [".pcap", ".pcapng"])
+def test_split_per_nic_rotates_each_nic_at_max_file_size(tmp_path, roce, suffix):
+    plan, topo, p = roce
+    d = tmp_path / "split"
+    limit = 3000
+    # one chunk holding every frame: a NIC's frames of one chunk still spread over several files
+    stats = write_capture(d, [p], topo, plan, snaplen=0, split="nic", max_file_size=limit,
+                          fmt=suffix[1:])
+    assert stats["packets"] == len(p["ts_ns"])
+    assert sorted(stats["files"]) == sorted(str(f) for f in d.iterdir())
+    reader = dpkt.pcapng.Reader if suffix == ".pcapng" else dpkt.pcap.Reader
+    seen = rotated = 0
+    for nic in range(topo.num_nics):
+        base = topo.nic_name(nic).replace("/", "-") + suffix
+        want = p["src_nic"] == nic
+        if not want.any():
+            continue
+        # tcpdump -C names: base, base1, base2, ... with no gap
+        files = [d / base]
+        while (d / f"{base}{len(files)}").exists():
+            files.append(d / f"{base}{len(files)}")
+        rotated += len(files) > 1
+        lens = []
+        for f in files:
+            with open(f, "rb") as fh:
+                recs = list(reader(fh))
+            assert f.stat().st_size <= limit or len(recs) == 1
+            lens += [len(b) for _, b in recs]
+        assert lens == p["frame_len"][want].tolist()
+        seen += len(lens)
+    assert seen == len(p["ts_ns"]) and rotated >= 2
+
+
+def _pcapng_interfaces(path):
+    """(if_name of each Interface Description Block, interface id of each Enhanced Packet Block)."""
+    data = path.read_bytes()
+    off, names, ifaces = 0, [], []
+    while off < len(data):
+        btype, total = struct.unpack("<II", data[off:off + 8])
+        if btype == 1:                      # IDB: linktype, reserved, snaplen, then options
+            o = off + 16
+            while o < off + total - 4:
+                code, ln = struct.unpack("<HH", data[o:o + 4])
+                if code == 2:
+                    names.append(data[o + 4:o + 4 + ln].decode())
+                if code == 0:
+                    break
+                o += 4 + ln + ((-ln) & 3)
+        elif btype == 6:
+            ifaces.append(struct.unpack("<I", data[off + 8:off + 12])[0])
+        off += total
+    return names, ifaces
+
+
+def test_split_per_nic_pcapng_declares_only_its_nic(tmp_path, roce):
+    plan, topo, p = roce
+    d = tmp_path / "split"
+    write_capture(d, _chunks(p, 3), topo, plan, snaplen=0, split="nic", fmt="pcapng")
+    for nic in np.unique(p["src_nic"]).tolist():
+        f = d / (topo.nic_name(nic).replace("/", "-") + ".pcapng")
+        names, ifaces = _pcapng_interfaces(f)
+        assert names == [topo.nic_name(nic)]
+        assert ifaces == [0] * int((p["src_nic"] == nic).sum())
+        rows = tshark_fields(f, ["frame.interface_name"])
+        assert {r[0] for r in rows} == {topo.nic_name(nic)}
+    # one capture of everything keeps one interface per NIC
+    names, ifaces = _pcapng_interfaces(_whole(tmp_path, p, topo, plan))
+    assert names == [topo.nic_name(i) for i in range(topo.num_nics)]
+    assert ifaces == p["src_nic"].tolist()
+
+
+def _whole(tmp_path, p, topo, plan):
+    path = tmp_path / "all.pcapng"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    return path

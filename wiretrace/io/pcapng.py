@@ -3,7 +3,8 @@
 Layout (IETF draft-ietf-opsawg-pcapng, little-endian): a Section Header Block, one Interface
 Description Block per NIC of the cluster (``if_name`` = ``node<N>/mlx5_<k>``, ``if_tsresol`` = 9,
 i.e. nanoseconds), then one Enhanced Packet Block per frame on the interface of the NIC that sends
-it, so that Wireshark's statistics split traffic by NIC. Link type 1 (Ethernet) for RoCEv2, 197
+it, so that Wireshark's statistics split traffic by NIC. A file of one NIC (``split="nic"``)
+declares that NIC's interface only. Link type 1 (Ethernet) for RoCEv2, 197
 (ERF records of type 21) for native InfiniBand.
 """
 
@@ -63,7 +64,7 @@ class Pcapng(Format):
         link = LINKTYPE_ERF if self.ib else LINKTYPE_ETHERNET
         snap = self.snaplen + self.erf_len if self.snaplen else MAX_SNAPLEN
         idbs = []
-        for nic in range(self.topo.num_nics):
+        for nic in (range(self.topo.num_nics) if nics is None else np.asarray(nics).tolist()):
             opts = (_option(IF_NAME, self.topo.nic_name(nic).encode())
                     + _option(IF_DESCRIPTION, self._describe(nic).encode())
                     + _option(IF_TSRESOL, bytes([9])) + _option(OPT_ENDOFOPT, b""))
@@ -86,7 +87,8 @@ class Pcapng(Format):
         h = np.empty(n, dtype=EPB)
         h["type"] = EPB_TYPE
         h["total"] = total
-        h["iface"] = np.asarray(chunk["src_nic"], dtype=np.int64)
+        # interface = the sending NIC (the file's only interface when a file holds one NIC)
+        h["iface"] = 0 if self.single_interface else np.asarray(chunk["src_nic"], dtype=np.int64)
         h["ts_high"] = ts >> np.uint64(32)
         h["ts_low"] = ts & np.uint64(0xFFFFFFFF)
         h["caplen"] = data_len

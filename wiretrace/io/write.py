@@ -45,11 +45,14 @@ class Format:
     suffixes: tuple[str, ...] = ()
     prefix = 0
     suffix = 0
+    single_interface = False
+    """Records of one file all come from one NIC, declared as the file's only interface."""
 
     def __init__(self, topo: Topology, plan: Plan, snaplen: int):
         self.topo, self.plan, self.snaplen = topo, plan, snaplen
 
     def file_header(self, nics: np.ndarray | None = None) -> bytes:
+        """File header; ``nics``: the NICs whose frames the file holds (None: all)."""
         return b""
 
     def finish_records(self, slots: np.ndarray, chunk: dict, caplen: np.ndarray,
@@ -143,6 +146,30 @@ def _rotated_name(path: Path, i: int) -> Path:
     return path if i == 0 else path.with_name(path.name + str(i))
 
 
+def _append_rotating(f: _File, rotate: Callable[[], _File], slots: np.ndarray, reclen: np.ndarray,
+                     max_file_size: int | None) -> _File:
+    """Append records ``slots``/``reclen`` to ``f``; before a file would grow past
+    ``max_file_size`` bytes, close it and go on in ``rotate()`` (a record larger than the limit
+    gets a file of its own). Returns the file written last."""
+    n = len(reclen)
+    lo = 0
+    while lo < n:
+        hi = n
+        if max_file_size is not None:
+            cum = np.cumsum(reclen[lo:])
+            hi = lo + int(np.searchsorted(cum, max_file_size - f.size, side="right"))
+            if hi == lo:
+                if f.packets == 0:
+                    hi = lo + 1
+                else:
+                    f.close()
+                    f = rotate()
+                    continue
+        f.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
+        lo = hi
+    return f
+
+
 def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                  max_file_size: int | None = None,
                  progress: Callable[[int], None] | None = None) -> dict:
@@ -160,25 +187,12 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
 
     def put(slots: np.ndarray, reclen: np.ndarray) -> None:
         """Append one chunk's records (runs on the I/O thread, one chunk after another)."""
-        cur = files[-1]
-        n = len(reclen)
-        lo = 0
-        while lo < n:
-            hi = n
-            if max_file_size is not None:
-                room = max_file_size - cur.size
-                cum = np.cumsum(reclen[lo:])
-                hi = lo + int(np.searchsorted(cum, room, side="right"))
-                if hi == lo:
-                    if cur.packets == 0:   # a record larger than the limit gets a file of its own
-                        hi = lo + 1
-                    else:
-                        cur.close()
-                        cur = _File(_rotated_name(path, len(files)), header)
-                        files.append(cur)
-                        continue
-            cur.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
-            lo = hi
+
+        def rotate() -> _File:
+            files.append(_File(_rotated_name(path, len(files)), header))
+            return files[-1]
+
+        _append_rotating(files[-1], rotate, slots, reclen, max_file_size)
 
     # Three stages overlap: the caller's generator (packetize, Parquet) on this thread, rendering
     # on one worker, os.writev on another (NumPy loops and writev release the GIL). Three slot
@@ -248,16 +262,32 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
                     max_file_size: int | None = None,
                     progress: Callable[[int], None] | None = None) -> dict:
     """One capture per NIC in ``directory``, holding the frames that NIC sends, named after the
-    NIC (``node0-mlx5_1.pcap``). Each file is streamed like :func:`write_stream`."""
+    NIC (``node0-mlx5_1.pcap``); a pcapng file declares that NIC's interface only. Each file is
+    streamed like :func:`write_stream`; with ``max_file_size`` each NIC's capture rotates on its
+    own, like ``tcpdump -C`` (``node0-mlx5_1.pcap``, ``node0-mlx5_1.pcap1``, ...)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ext = fmt.suffixes[0]
+    fmt.single_interface = True                    # records name interface 0: their file's NIC
     writers: dict[int, _File] = {}
     lru: dict[int, _File] = {}                     # open files, least recently written first
-    header = fmt.file_header()
+    headers: dict[int, bytes] = {}
     buf: list[np.ndarray | None] = [None]
-    rotated: dict[int, int] = {}
+    count: dict[int, int] = {}                     # files opened per NIC
     all_files: list[_File] = []
+
+    def open_file(nic: int) -> _File:
+        if nic not in headers:
+            headers[nic] = fmt.file_header(np.array([nic]))
+            if max_file_size is not None and max_file_size <= len(headers[nic]):
+                raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} "
+                                     f"file header")
+        i = count.get(nic, 0)
+        count[nic] = i + 1
+        name = fmt.topo.nic_name(nic).replace("/", "-")
+        f = _File(_rotated_name(directory / f"{name}{ext}", i), headers[nic])
+        all_files.append(f)
+        return f
 
     def put(chunk: dict) -> None:
         slots, reclen = _records(fmt, chunk, buf[0])
@@ -271,20 +301,11 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
             rows = order[bounds[i]:bounds[i + 1]]
             nic = int(s[bounds[i]])
             f = writers.get(nic)
-            name = fmt.topo.nic_name(nic).replace("/", "-")
             if f is None:
-                f = _File(directory / f"{name}{ext}", header)
-                writers[nic] = f
-                all_files.append(f)
-            sub = np.ascontiguousarray(slots[rows])
-            rl = reclen[rows]
-            if max_file_size is not None and f.size + int(rl.sum()) > max_file_size and f.packets:
-                f.close()
-                rotated[nic] = rotated.get(nic, 0) + 1
-                f = _File(directory / f"{name}{ext}{rotated[nic]}", header)
-                writers[nic] = f
-                all_files.append(f)
-            f.write(slot_pieces(sub, rl), int(rl.sum()), len(rows))
+                f = open_file(nic)
+            f = _append_rotating(f, lambda nic=nic: open_file(nic), np.ascontiguousarray(slots[rows]),
+                                 reclen[rows], max_file_size)
+            writers[nic] = f
             lru.pop(nic, None)
             lru[nic] = f
             if len(lru) > MAX_OPEN_FILES:       # close the least recently written file
