@@ -702,6 +702,39 @@ def test_immediate_data_is_the_message_size_as_nccl_posts_it(tmp_path, verb):
     assert got == sizes
 
 
+def test_pcp_without_vlan_gives_priority_tagged_frames(tmp_path):
+    # IEEE 802.1Q: a priority-tagged frame carries VLAN ID 0 and the priority in PCP
+    plan, topo = make_plan({"pcp": 3})
+    p = all_packets(_mixed_messages(), topo, plan)
+    plain, plain_topo = make_plan()
+    np.testing.assert_array_equal(p["frame_len"], all_packets(_mixed_messages(), plain_topo, plain)["frame_len"] + 4)
+    path = tmp_path / "prio.pcap"
+    write_capture(path, [p], topo, plan, snaplen=0)
+    rows = tshark_fields(path, ["vlan.id", "vlan.priority", "infiniband.bth.psn", "frame.len"])
+    assert {(int(r[0]), int(r[1])) for r in rows} == {(0, 3)}
+    assert [int(r[2]) for r in rows] == p["psn"].tolist()
+    assert [int(r[3]) for r in rows] == p["frame_len"].tolist()
+    from wiretrace.transport.validate import validate_capture
+    assert validate_capture(path).ok
+
+
+@pytest.mark.parametrize("transport,message", [
+    ({"kind": "ib", "ip_version": 6}, r"\$\.transport\.ip_version: native InfiniBand frames have no IP header"),
+    ({"kind": "ib", "vlan": 5}, r"\$\.transport\.vlan: native InfiniBand frames have no 802\.1Q tag"),
+    ({"grh": True}, r"\$\.transport\.grh: a GRH belongs to native InfiniBand"),
+    ({"ack": {"every_packets": 4, "window": "2us"}}, r"\$\.transport\.ack: give either every_packets or window"),
+    ({"ack": {}}, r"\$\.transport\.ack: \{\} should be non-empty"),
+    ({"ack": {"every_packets": 0}}, r"\$\.transport\.ack\.every_packets: 0 is less than the minimum of 1 \(expected: "
+                                    r"\"message\".*every_packets"),
+    ({"ack": {"window": "abc"}}, r"\$\.transport\.ack\.window: 'abc' does not match .* \(expected: A duration"),
+    ({"initial_psn": 16777216}, r"\$\.transport\.initial_psn: 16777216 is greater than the maximum of 16777215"),
+])
+def test_transport_settings_that_cannot_apply_are_plan_errors(transport, message):
+    with pytest.raises(P.PlanError, match=message) as e:
+        make_plan(transport)
+    assert "is not valid under any of the given schemas" not in str(e.value)
+
+
 def test_ip_checksums_and_lengths_verified_by_tshark(tmp_path):
     plan, topo = make_plan()
     p = all_packets(_mixed_messages(), topo, plan)

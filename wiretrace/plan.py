@@ -223,7 +223,25 @@ def validate_document(doc: Any, require_model: bool = True) -> None:
         e = max(errors[:1] + [x for x in errors if x.validator in ("required", "additionalProperties")][:1],
                 key=lambda x: len(list(x.absolute_path)))
         e = errors[0] if errors[0].validator != "oneOf" else e
+        if e.validator == "oneOf":
+            raise PlanError(_one_of_message(e))
         raise PlanError(f"plan {_json_path(e)}: {e.message}")
+
+
+def _one_of_message(e: jsonschema.ValidationError) -> str:
+    """A value that fits none of the alternatives: the problem within the alternative of the
+    value's own type (the one that got furthest), and what the field expects."""
+    best = jsonschema.exceptions.best_match(e.context, key=_branch_relevance) if e.context else e
+    expect = (best.schema.get("description") if isinstance(best.schema, dict) else None) \
+        or e.schema.get("description", "")
+    msg = f"plan {_json_path(best)}: {best.message}"
+    return f"{msg} (expected: {expect})" if expect else msg
+
+
+def _branch_relevance(err: jsonschema.ValidationError):
+    # an alternative of another type (enum/type failing at the value itself) is the weakest match
+    wrong_kind = err.validator in ("type", "enum") and len(err.relative_path) == 0
+    return (not wrong_kind, len(err.absolute_path))
 
 
 _FLOAT_FIELDS = {"mfu", "capacity_factor", "fraction", "peak_tflops"}
@@ -289,8 +307,25 @@ def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str 
     return plan
 
 
+def _check_transport(tr: Transport) -> None:
+    """Transport settings that contradict each other (rather than being silently ignored)."""
+    if tr.kind == "ib":
+        for name, bad in (("ip_version", tr.ip_version == 6), ("vlan", tr.vlan is not None),
+                          ("pcp", tr.pcp != 0)):
+            if bad:
+                raise PlanError(f"plan $.transport.{name}: native InfiniBand frames have no "
+                                f"{'IP header' if name == 'ip_version' else '802.1Q tag'}; "
+                                f"remove {name} or use kind \"rocev2\"")
+    elif tr.grh:
+        raise PlanError("plan $.transport.grh: a GRH belongs to native InfiniBand (kind \"ib\"); RoCEv2 "
+                        "frames carry an IP header instead")
+    if isinstance(tr.ack, Mapping) and "every_packets" in tr.ack and "window" in tr.ack:
+        raise PlanError("plan $.transport.ack: give either every_packets or window, not both")
+
+
 def check_consistency(plan: Plan, require_model: bool = True) -> None:
     """Raise PlanError when numbers of the plan disagree, naming both sides."""
+    _check_transport(plan.transport)
     p, c, t, m = plan.parallelism, plan.cluster, plan.training, plan.model
     if c.gpu_nic_map and len(c.gpu_nic_map) != c.gpus_per_node:
         raise PlanError(f"plan $.cluster.gpu_nic_map has {len(c.gpu_nic_map)} entries but gpus_per_node = {c.gpus_per_node}")

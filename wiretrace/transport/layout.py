@@ -21,13 +21,27 @@ IB_WIRE_EXTRA = 2
 """Start and end delimiters of an IB packet on the link (IBTA vol. 2, 5.3), in byte times."""
 
 
+def vlan_tag(plan: Plan) -> int | None:
+    """VLAN ID of the 802.1Q tag RoCEv2 frames carry, or None for untagged frames.
+
+    ``transport.vlan`` tags frames with that VLAN and ``transport.pcp``; a ``pcp`` without a
+    ``vlan`` gives priority-tagged frames (VLAN ID 0, IEEE 802.1Q clause 9.6: "priority-tagged
+    frame"), as NICs send them for PFC on an untagged port. Native IB frames are never tagged."""
+    t = plan.transport
+    if t.kind == "ib":
+        return None
+    if t.vlan is not None:
+        return int(t.vlan)
+    return 0 if t.pcp else None
+
+
 def base_header_len(plan: Plan) -> int:
     """Bytes from the start of the frame through the BTH for RoCEv2 (Ethernet [VLAN] IP UDP BTH)
     or native IB without GRH (LRH BTH)."""
     t = plan.transport
     if t.kind == "ib":
         return H.LRH.length + H.BTH.length
-    l2 = H.ETHERNET.length + (H.DOT1Q.length if t.vlan is not None else 0)
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if vlan_tag(plan) is not None else 0)
     l3 = H.IPV4.length if t.ip_version == 4 else H.IPV6.length
     return l2 + l3 + H.UDP.length + H.BTH.length
 

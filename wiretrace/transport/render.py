@@ -8,7 +8,8 @@ same array and hand the rows to the kernel without another copy (:func:`slot_pie
 What goes on the wire (sources in brackets):
 
 * Ethernet: the NICs' MACs from the topology; EtherType 0x0800/0x86DD, or 0x8100 and an 802.1Q
-  tag with ``transport.pcp`` and ``transport.vlan`` [IEEE 802.1Q].
+  tag with ``transport.pcp`` and ``transport.vlan`` (VLAN ID 0, priority-tagged, when only ``pcp``
+  is set) [IEEE 802.1Q].
 * IPv4: DSCP/ECN from the packets table, total length, identification = PSN mod 2^16
   (deterministic), DF set, TTL 64, protocol UDP, header checksum [RFC 791, RFC 1071]. IPv6:
   traffic class from DSCP/ECN, flow label 0, hop limit 64 [RFC 8200].
@@ -126,7 +127,7 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
 
 def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
     """ICRC of the IPv4 RoCEv2 frames captured whole, from their bytes in the slots."""
-    l2 = H.ETHERNET.length + (H.DOT1Q.length if plan.transport.vlan is not None else 0)
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
     hb = l2 + H.IPV4.length + H.UDP.length + H.BTH.length
     limit = prefix + F.caplen
     icrc_pos = prefix + F.frame_len - H.ICRC_LEN
@@ -270,7 +271,8 @@ def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.nd
 def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, crc: bool = True) -> None:
     t = plan.transport
     n, width = slots.shape
-    vlan = t.vlan is not None
+    vid = layout.vlan_tag(plan)
+    vlan = vid is not None
     v4 = t.ip_version == 4
     l2 = H.ETHERNET.length + (H.DOT1Q.length if vlan else 0)
     l3 = H.IPV4.length if v4 else H.IPV6.length
@@ -294,7 +296,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     H.ETHERNET.pack(n, {"dst": mac[F.dst], "src": mac[F.src],
                         "type": H.ETHERTYPE_VLAN if vlan else ip_type}, out=hdr[:, :H.ETHERNET.length])
     if vlan:
-        H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": t.vlan, "type": ip_type}, out=hdr[:, H.ETHERNET.length:l2])
+        H.DOT1Q.pack(n, {"pcp": t.pcp, "vid": vid, "type": ip_type}, out=hdr[:, H.ETHERNET.length:l2])
     dscp = _uniform(_col(packets, "dscp", np.uint8))    # one value for most blocks: a scalar
     ecn = _uniform(_col(packets, "ecn", np.uint8))
     psn = _col(packets, "psn")
