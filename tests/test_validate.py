@@ -247,7 +247,8 @@ def test_flipped_icrc_byte(tmp_path):
     rep = validate_capture(write_pcap(tmp_path / "icrc.pcap", frames))
     (v,) = only(rep, "icrc")
     assert v.frame == 5 and v.qp == QP_B
-    assert v.message.startswith("ICRC ") and "expected" in v.message
+    stored = struct.unpack("<I", frames[4][-4:])[0]
+    assert v.message.startswith(f"ICRC {stored:#010x} (wire bytes ") and "expected 0x" in v.message
     res = run_cli(tmp_path / "icrc.pcap")
     assert res.exit_code == 1 and "icrc" in res.output
 
@@ -419,6 +420,93 @@ def test_non_roce_frames_are_counted_and_skipped(tmp_path):
     assert rep.ok and rep.frames == 5 and rep.roce_frames == 3 and rep.non_roce_frames == 2
 
 
+@pytest.mark.parametrize("snap", [14, 20, 30, 40])
+def test_frames_cut_before_the_bth_are_not_checked_and_not_clean(tmp_path, snap):
+    # snap 14: only Ethernet; 20: part of IPv4; 30: IPv4 without UDP; 40: the UDP ports too
+    frames = good_frames()
+    dns = raw(Ether() / IP(src=A, dst=B) / UDP(sport=5353, dport=53) / Raw(b"q" * 60))
+    tcp = bytes.fromhex("020000000002020000000001 0800".replace(" ", "")) + raw(IP(src=A, dst=B, proto=6) / Raw(b"t" * 60))
+    path = write_pcap(tmp_path / "cut.pcap", frames + [dns, tcp], snaplen=snap, cut=snap)
+    rep = validate_capture(path)
+    # RoCE as far as the bytes go: every RoCE frame (but a VLAN-tagged one whose tag is cut at
+    # 14 bytes: nothing says what it carries); DNS and TCP once the IP protocol shows they are not
+    tagged = sum(fr[12:14] == b"\x81\x00" for fr in frames)
+    assert tagged == 3
+    not_roce = {14: tagged, 20: 0, 30: 1, 40: 2}[snap]
+    assert rep.roce_frames == 0
+    assert rep.cut_before_bth == len(frames) + 2 - not_roce
+    assert rep.non_roce_frames == not_roce
+    assert rep.nothing_checked and not rep.ok
+    (v,) = only(rep, "capture")
+    assert v.frame == 0 and v.message.startswith(f"nothing checked: {rep.cut_before_bth} RoCE/IB frame(s) cut")
+    res = run_cli(path)
+    assert res.exit_code == 1
+    assert f"0 RoCE/IB, {rep.cut_before_bth} RoCE/IB cut before the BTH" in " ".join(res.output.split())
+    assert "nothing checked" in res.output and "clean" not in res.output
+    doc = json.loads(run_cli(path, "--json").output)
+    assert doc["nothing_checked"] is True and doc["ok"] is False and doc["cut_before_bth"] == rep.cut_before_bth
+
+
+def test_udp_port_4791_decides_when_the_bth_is_cut(tmp_path):
+    frames = good_frames()
+    dns = raw(Ether() / IP(src=A, dst=B) / UDP(sport=5353, dport=53) / Raw(b"q" * 60))
+    # 80 bytes: every RoCE frame through its BTH (parsed, checked as far as it goes); the DNS
+    # frame shows its port 53: other traffic
+    rep = validate_capture(write_pcap(tmp_path / "c.pcap", frames + [dns], snaplen=80, cut=80))
+    assert rep.non_roce_frames == 1 and rep.cut_before_bth == 0 and rep.roce_frames == len(frames)
+    assert not rep.nothing_checked and rep.checked["psn"] > 0 and rep.ok
+
+
+def test_capture_without_roce_is_not_clean(tmp_path):
+    dns = raw(Ether() / IP(src=A, dst=B) / UDP(sport=5353, dport=53) / Raw(b"q" * 20))
+    rep = validate_capture(write_pcap(tmp_path / "dns.pcap", [dns] * 3))
+    assert rep.nothing_checked and rep.non_roce_frames == 3 and rep.cut_before_bth == 0
+    (v,) = only(rep, "capture")
+    assert v.message == "nothing checked: no RoCEv2 / InfiniBand frame in it (3 frame(s) in the capture)"
+
+
+def test_native_ib_records_cut_inside_the_lrh(tmp_path):
+    frames = [f[:6] for f in ib_frames()]
+    path = erf_file(tmp_path / "lrh.erf", frames)
+    # the ERF wire length still names the whole frame
+    buf = bytearray(path.read_bytes())
+    pos = 0
+    for f in ib_frames():
+        struct.pack_into(">H", buf, pos + 14, len(f))
+        pos += struct.unpack_from(">H", buf, pos + 10)[0]
+    path.write_bytes(bytes(buf))
+    rep = validate_capture(path)
+    assert rep.cut_before_bth == len(frames) and rep.roce_frames == 0 and rep.non_roce_frames == 0
+
+
+def test_json_says_when_the_violation_list_was_cut(tmp_path):
+    frames = good_frames()
+    frames = [fr[:-1] + bytes([fr[-1] ^ 0xFF]) for fr in frames]          # every ICRC wrong
+    path = write_pcap(tmp_path / "bad.pcap", frames)
+    doc = json.loads(run_cli(path, "--json", "--max-violations", "3").output)
+    assert doc["violations_total"] == len(frames) and doc["violations_truncated"] is True
+    assert len(doc["violations"]) == 3
+    doc = json.loads(run_cli(path, "--json").output)
+    assert doc["violations_total"] == len(doc["violations"]) == len(frames)
+    assert doc["violations_truncated"] is False
+
+
+@pytest.mark.parametrize("args", [(), ("--json",)])
+@pytest.mark.parametrize("bad", [False, True])
+def test_closed_pipe_ends_quietly_with_the_status_found(tmp_path, args, bad):
+    frames = good_frames()
+    if bad:
+        frames = [fr[:-1] + bytes([fr[-1] ^ 0xFF]) for fr in frames]
+    path = write_pcap(tmp_path / "p.pcap", frames)
+    exe = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "wiretrace"
+    p = subprocess.Popen([str(exe), "validate", str(path), "-q", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()             # the reader is gone before the report is written (`| head -0`)
+    err = p.stderr.read().decode()
+    assert p.wait() == (1 if bad else 0)
+    assert "Traceback" not in err and "Broken pipe" not in err and "Exception" not in err
+
+
 @pytest.mark.parametrize("fault", ["none", "psn", "reth", "pad"])
 def test_batches_carry_stream_state(tmp_path, fault):
     # the same findings over batches of 1, 2, 3 and 5 frames: messages, READs and PSNs span
@@ -531,7 +619,8 @@ def test_native_ib_vcrc_and_icrc_faults(tmp_path):
     frames[1] = frames[1][:-1] + bytes([frames[1][-1] ^ 0x80])        # VCRC
     rep = validate_capture(erf_file(tmp_path / "v.erf", frames))
     (v,) = only(rep, "vcrc")
-    assert v.frame == 2 and v.message.startswith("VCRC ")
+    stored = struct.unpack("<H", frames[1][-2:])[0]
+    assert v.frame == 2 and v.message.startswith(f"VCRC {stored:#06x}, expected 0x")
     frames = ib_frames()
     f = bytearray(frames[2])
     f[-6] ^= 0x01                                                      # ICRC (VCRC then wrong too)

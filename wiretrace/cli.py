@@ -348,9 +348,15 @@ def validate(capture, as_json, max_violations, show, quiet):
     (FIRST, MIDDLE..., LAST or ONLY), RETH DMA length against the bytes that follow, ACK/MSN.
     Frames cut by the snap length are checked as far as their bytes go.
 
-    Exit status: 0 clean, 1 violations found, 2 the file cannot be read.
+    A capture in which nothing could be checked (no RoCE/IB frame, or every one cut by the snap
+    length before its BTH) is not clean: it gets a "nothing checked" violation.
+
+    Exit status: 0 clean, 1 violations found (or nothing checked), 2 the file cannot be read.
+    A closed output pipe (``validate f | head``) ends quietly with the same status.
     """
     import json
+
+    from rich.console import Console
 
     from .transport.validate import print_report, validate_capture
 
@@ -359,11 +365,22 @@ def validate(capture, as_json, max_violations, show, quiet):
         report = validate_capture(capture, max_violations=max_violations, progress=bar)
     finally:
         bar.close()
-    if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2))
-    else:
-        print_report(report, show=show)
-    sys.exit(0 if report.ok else 1)
+    status = 0 if report.ok else 1
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:          # rich would exit with status 1
+            raise BrokenPipeError
+
+    try:
+        if as_json:
+            click.echo(json.dumps(report.as_dict(), indent=2))
+        else:
+            print_report(report, show=show, console=PipeConsole())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (| head): no traceback, and no second error when Python flushes
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(status)
 
 
 

@@ -106,23 +106,30 @@ PACKETS_COLUMNS = ("ts_ns", "udp_sport", "dest_qp", "psn", "opcode", "ack_req", 
 
 class ParseStats:
     """Counters over everything parsed: ``frames``, ``roce`` (RoCEv2 or IB transport frames),
-    ``non_roce`` (skipped), ``truncated`` (RoCE frames with caplen < origlen)."""
+    ``non_roce`` (skipped), ``truncated`` (RoCE frames with caplen < origlen), ``cut_roce``
+    (frames the snap length cut before the end of their BTH whose captured headers are those of
+    a RoCE or IB frame: counted neither as RoCE nor as other traffic)."""
 
     def __init__(self):
         self.frames = 0
         self.roce = 0
         self.non_roce = 0
         self.truncated = 0
+        self.cut_roce = 0
 
-    def add(self, n_frames: int, cols: dict) -> None:
+    def add(self, n_frames: int, cols: dict, cut_roce: int = 0) -> None:
+        """Count a batch of ``n_frames`` frames, ``cols`` its parsed rows, ``cut_roce`` frames
+        of it cut before the BTH (:func:`cut_before_bth`)."""
+        no_bth = int(np.count_nonzero(~cols["has_bth"]))     # parsed up to the BTH, cut there
         self.frames += n_frames
-        self.roce += len(cols["row"])
-        self.non_roce += n_frames - len(cols["row"])
-        self.truncated += int(np.count_nonzero(cols["truncated"]))
+        self.roce += len(cols["row"]) - no_bth
+        self.cut_roce += cut_roce + no_bth
+        self.non_roce += n_frames - len(cols["row"]) - cut_roce
+        self.truncated += int(np.count_nonzero(cols["truncated"])) + cut_roce
 
     def as_dict(self) -> dict:
         return {"frames": self.frames, "roce_frames": self.roce, "non_roce_frames": self.non_roce,
-                "truncated": self.truncated}
+                "truncated": self.truncated, "cut_before_bth": self.cut_roce}
 
 
 def _head_window(batch: FrameBatch, width: int = HEAD_WINDOW) -> np.ndarray:
@@ -151,13 +158,19 @@ def _empty(n: int) -> dict[str, np.ndarray]:
     return out
 
 
-def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
+def parse_frames(batch: FrameBatch, cut: list | None = None) -> dict[str, np.ndarray]:
     """Parse the RoCEv2 and InfiniBand frames of a batch into columns.
 
     Parameters
     ----------
     batch : FrameBatch
         Frames from :func:`wiretrace.io.capture.iter_frames`.
+    cut : list, optional
+        When given, receives (appended) the number of frames of the batch that the snap length
+        cut before their BTH while every header captured says RoCEv2 / IB: EtherType IPv4/IPv6
+        (after VLAN tags), IP protocol UDP and UDP destination port 4791 as far as they were
+        captured, or an LRH (and GRH) of a native IB record. Such frames cannot be checked and
+        are not returned.
 
     Returns
     -------
@@ -292,6 +305,9 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
         pktlen[rib] = lrh["pktlen"]
         ip_len[rib] = lrh["pktlen"].astype(np.int64) * 4
 
+    if cut is not None:
+        cut.append(_count_cut_before_bth(batch, rows, cap, lt, l3, etype, bth))
+
     # -- keep the RoCE/IB frames, read BTH and extension headers ---------------------------------
     keep = np.nonzero(bth >= 0)[0]
     m = len(keep)
@@ -374,6 +390,36 @@ def parse_frames(batch: FrameBatch) -> dict[str, np.ndarray]:
     out["complete"][:] = np.where(roce, kc >= l3[keep] + ip_len[keep],
                                   kc >= ip_len[keep] + H.VCRC_LEN) & (ip_len[keep] >= 0)
     return out
+
+
+def _count_cut_before_bth(batch, rows, cap, lt, l3, etype, bth) -> int:
+    """Frames cut by the snap length before the BTH whose captured headers all say RoCE/IB."""
+    cand = (batch.caplen.astype(np.int64) < batch.origlen.astype(np.int64)) & (bth < 0)
+    if not cand.any():
+        return 0
+    r = np.arange(len(cap))
+    at = np.clip(l3, 0, rows.shape[1] - 1)
+
+    def byte(off):                       # byte at l3 + off, and whether it was captured
+        pos = np.clip(l3 + off, 0, rows.shape[1] - 1)
+        return rows[r, pos].astype(np.int64), (l3 >= 0) & (cap > l3 + off) & (l3 + off < rows.shape[1])
+
+    v4 = (etype == H.ETHERTYPE_IPV4) & (l3 >= 0)
+    v6 = (etype == H.ETHERTYPE_IPV6) & (l3 >= 0)
+    proto4, seen4 = byte(9)
+    proto6, seen6 = byte(6)
+    udp_ok = np.where(v4, ~seen4 | (proto4 == H.IP_PROTO_UDP), ~seen6 | (proto6 == H.IP_PROTO_UDP))
+    ihl = (rows[r, at] & 0x0F).astype(np.int64) * 4
+    l4 = np.where(v4, l3 + np.where(cap > l3, ihl, 20), l3 + H.IPV6.length)
+    port_pos = np.clip(l4 + 2, 0, rows.shape[1] - 2)
+    dport = (rows[r, port_pos].astype(np.int64) << 8) | rows[r, port_pos + 1]
+    port_seen = cap >= l4 + 4
+    port_ok = ~port_seen | (dport == H.ROCEV2_UDP_PORT)
+    roce = (v4 | v6) & udp_ok & port_ok
+    lnh_grh = (rows[:, 1] & 0x03) == H.LNH_GRH
+    ib = (lt == LINKTYPE_INFINIBAND) & ((cap < H.LRH.length)   # LRH (or its GRH) cut: no BTH to read
+                                        | (lnh_grh & (cap < H.LRH.length + H.GRH.length)))
+    return int(np.count_nonzero(cand & (roce | ib)))
 
 
 def as_packets(cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -5,7 +5,9 @@
 ==================  ==============================================================================
 check               what is verified
 ==================  ==============================================================================
-``capture``         the file ends on a record boundary (a cut last record is reported here)
+``capture``         the file ends on a record boundary (a cut last record is reported here);
+                    something was checked: a capture without RoCE/IB frames, or whose frames
+                    were all cut before the BTH, gets a "nothing checked" violation (frame 0)
 ``ipv4_checksum``   IPv4 header checksum (RFC 791 / RFC 1071)
 ``icrc``            invariant CRC with RoCEv2 or native-IB masking (IBTA vol. 1 7.8.1, A17.4.1;
                     with a GRH the whole LRH counts as ones, as in RoCEv2)
@@ -32,7 +34,9 @@ check               what is verified
 ==================  ==============================================================================
 
 Frames cut by the capture's snap length are checked as far as their bytes go (headers present
-are read, ICRC/VCRC need the whole frame) and counted. Streams (a QP in one direction) are keyed
+are read, ICRC/VCRC need the whole frame) and counted; frames cut before their BTH whose
+captured headers say RoCE (UDP port 4791 as far as captured, an LRH) are counted apart
+(``cut_before_bth``), neither checked nor counted as other traffic. Streams (a QP in one direction) are keyed
 by source and destination address (LIDs for IB without GRH), destination QP and whether the
 packets are requests or responses, so a capture's ACKs and READ responses are checked against
 the requester's PSN space. UD packets and CNPs have no PSN sequence to check.
@@ -139,7 +143,10 @@ class Report:
     path : the capture.
     format : container format (``pcap``, ``pcap-ns``, ``pcapng``, ``erf``).
     frames, roce_frames, non_roce_frames : frame counts.
-    truncated : RoCE frames captured shorter than their wire length (snap length).
+    cut_before_bth : frames the snap length cut before their BTH whose captured headers say
+        RoCEv2 / IB (UDP port 4791 as far as captured, or an LRH): not checked, not "other".
+    truncated : RoCE frames captured shorter than their wire length (snap length), including
+        ``cut_before_bth``.
     counts : violations per check (every check present, 0 when clean).
     checked : frames (or messages) each check examined.
     violations : the findings in frame order, at most ``max_violations`` of them (``counts``
@@ -152,6 +159,7 @@ class Report:
     frames: int = 0
     roce_frames: int = 0
     non_roce_frames: int = 0
+    cut_before_bth: int = 0
     truncated: int = 0
     streams: int = 0
     counts: dict = field(default_factory=lambda: {c: 0 for c in CHECKS})
@@ -166,6 +174,11 @@ class Report:
     @property
     def total_violations(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def nothing_checked(self) -> bool:
+        """No frame-level check examined anything (no RoCE/IB frame, or all cut too short)."""
+        return not any(n for c, n in self.checked.items() if c != "capture")
 
     def add(self, frames, qps, check: str, messages) -> None:
         """Record violations of ``check`` for the given frames (arrays or lists, same length);
@@ -185,11 +198,15 @@ class Report:
             "frames": self.frames,
             "roce_frames": self.roce_frames,
             "non_roce_frames": self.non_roce_frames,
+            "cut_before_bth": self.cut_before_bth,
             "truncated": self.truncated,
             "streams": self.streams,
             "ok": self.ok,
+            "nothing_checked": self.nothing_checked,
             "counts": dict(self.counts),
             "checked": dict(self.checked),
+            "violations_total": self.total_violations,
+            "violations_truncated": len(self.violations) < self.total_violations,
             "violations": [v.as_dict() for v in sorted(self.violations,
                                                        key=lambda v: (v.frame, v.check))],
         }
@@ -301,8 +318,8 @@ def _check_crcs(batch, cols, rep: Report) -> None:
             if bad.any():
                 b = s[bad]
                 rep.add(cols["frame"][b], cols["dest_qp"][b], "icrc",
-                        (f"ICRC {int(g):08x} (wire bytes {int(g).to_bytes(4, 'little').hex(' ')}), "
-                         f"expected {int(w):08x} (wire bytes {int(w).to_bytes(4, 'little').hex(' ')})"
+                        (f"ICRC {int(g):#010x} (wire bytes {int(g).to_bytes(4, 'little').hex(' ')}), "
+                         f"expected {int(w):#010x} (wire bytes {int(w).to_bytes(4, 'little').hex(' ')})"
                          for g, w in zip(stored[bad], want[bad])))
             if ib:
                 vend = cov + H.ICRC_LEN
@@ -313,7 +330,7 @@ def _check_crcs(batch, cols, rep: Report) -> None:
                 if bad.any():
                     b = s[bad]
                     rep.add(cols["frame"][b], cols["dest_qp"][b], "vcrc",
-                            (f"VCRC {int(g):04x}, expected {int(w):04x}"
+                            (f"VCRC {int(g):#06x}, expected {int(w):#06x}"
                              for g, w in zip(vstored[bad], vwant[bad])))
 
 
@@ -821,8 +838,9 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
     with Capture(path) as cap:
         rep.format = cap.format
         for batch in cap.batches(max_frames=batch_frames):
-            cols = parse_frames(batch)
-            stats.add(len(batch), cols)
+            cut: list[int] = []
+            cols = parse_frames(batch, cut)
+            stats.add(len(batch), cols, cut[0])
             if len(cols["row"]):
                 _check_ipv4(batch, cols, rep)
                 _check_crcs(batch, cols, rep)
@@ -840,7 +858,13 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
     rep.frames = stats.frames
     rep.roce_frames = stats.roce
     rep.non_roce_frames = stats.non_roce
+    rep.cut_before_bth = stats.cut_roce
     rep.truncated = stats.truncated
+    if rep.nothing_checked:
+        # a capture in which nothing could be checked is not clean
+        why = (f"{rep.cut_before_bth} RoCE/IB frame(s) cut by the snap length before the BTH"
+               if rep.cut_before_bth else "no RoCEv2 / InfiniBand frame in it")
+        rep.add([0], [None], "capture", [f"nothing checked: {why} ({rep.frames} frame(s) in the capture)"])
     return rep
 
 
@@ -853,9 +877,13 @@ def print_report(rep: Report, show: int = 50, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    state = "[green]clean[/green]" if rep.ok else f"[red]{rep.total_violations} violation(s)[/red]"
+    if rep.nothing_checked:
+        state = "[red]nothing checked[/red]"
+    else:
+        state = "[green]clean[/green]" if rep.ok else f"[red]{rep.total_violations} violation(s)[/red]"
+    cut = f"{rep.cut_before_bth} RoCE/IB cut before the BTH (not checked), " if rep.cut_before_bth else ""
     console.print(f"[bold]{rep.path}[/bold] ({rep.format}): {rep.frames} frames, "
-                  f"{rep.roce_frames} RoCE/IB, {rep.non_roce_frames} other, "
+                  f"{rep.roce_frames} RoCE/IB, {cut}{rep.non_roce_frames} other, "
                   f"{rep.truncated} truncated by the snap length, {rep.streams} QP streams: {state}")
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("check")
