@@ -570,21 +570,18 @@ class _Links:
         """When a frame sent at ``ts_ns`` has arrived at its peer (last bit, then the latency)."""
         return ts_ns + self.wire_ns(frame_len) + self.latency
 
-    def _serialize(self, ready: np.ndarray, p: dict, dur: np.ndarray) -> np.ndarray:
-        """Start times ``(n,)`` (ps) of frames ready at ``ready`` (ps) behind the links' current
-        state. Closed form of the queue recursion ``start_i = max(ready_i, start_{i-1} +
-        dur_{i-1})`` per NIC: ``start_i = C_i + max_{j<=i}(ready_j - C_j)`` with ``C`` the
-        durations before ``i``."""
-        nic = p["src_nic"].astype(np.int64)
-        o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic))
-        n_, r_, d_ = nic[o], ready[o], dur[o]
-        first = np.r_[True, n_[1:] != n_[:-1]]
+    def _run(self, nic: np.ndarray, ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
+        """Start times (ps) of frames sorted by NIC, then in the order each NIC serves them,
+        ready at ``ready`` (ps), behind the links' current state. Closed form of the queue
+        recursion ``start_i = max(ready_i, start_{i-1} + dur_{i-1})`` per NIC:
+        ``start_i = C_i + max_{j<=i}(ready_j - C_j)`` with ``C`` the durations before ``i``."""
+        first = np.r_[True, nic[1:] != nic[:-1]]
         heads = np.flatnonzero(first)
         seg = np.cumsum(first) - 1
-        c = np.cumsum(d_) - d_
+        c = np.cumsum(dur) - dur
         c = c - c[heads][seg]
-        v = r_ - c
-        v[heads] = np.maximum(v[heads], self.busy[n_[heads]])
+        v = ready - c
+        v[heads] = np.maximum(v[heads], self.busy[nic[heads]])
         # running maximum within each NIC's rows: lift each segment above the previous one
         lift = int(v.max()) - int(v.min()) + 1
         if lift * len(heads) < (1 << 62):
@@ -592,33 +589,60 @@ class _Links:
             run = np.maximum.accumulate(v + off) - off
         else:
             run = np.concatenate([np.maximum.accumulate(x) for x in np.split(v, heads[1:])])
-        start = np.empty(len(o), dtype=np.int64)
-        start[o] = c + run
-        return start
+        return c + run
 
     def schedule(self, p: dict) -> None:
         """Place the frames ``p`` (rows' ``_dep`` index ``p``) on their links, setting
-        ``p["ts_ns"]`` to their start. A frame held up by the frame it answers keeps its place
-        in its NIC's order: start times only grow from one pass to the next, and the passes end
-        at the least solution, the same however the frames were cut into chunks."""
-        if not len(p["ts_ns"]):
+        ``p["ts_ns"]`` to their start.
+
+        A frame that answers another can only be placed once that one is. Frames are taken in
+        windows of one hop latency by the time they were first ready: what a frame answers was
+        first ready at least a hop earlier, so it lies in an earlier window and is final (within
+        a window, passes repeat until every answer comes after its arrival). The result is the
+        least solution of the queue equations, whatever the chunks and windows."""
+        n = len(p["ts_ns"])
+        if not n:
             return
-        dur = self.wire_ps(p["frame_len"])
-        ready = p["ts_ns"].copy()
+        nic = p["src_nic"].astype(np.int64)
+        ots = p["_ots"]
         dep = p["_dep"]
-        has = np.flatnonzero(dep >= 0)
-        d = dep[has]
-        while True:
-            start = self._serialize(ready * 1000, p, dur)
-            ts = -(-start // 1000)
-            if not len(has):
-                break
-            arrive = self.arrival_ns(ts[d], p["frame_len"][d])
-            late = arrive > ts[has]
-            if not late.any():
-                break
-            ready[has[late]] = np.maximum(ready[has[late]], arrive[late])
-        np.maximum.at(self.busy, p["src_nic"].astype(np.int64), start + dur)
+        if (dep >= 0).any():
+            win = (ots - ots.min()) // max(int(self.latency), 1000)
+        else:
+            win = np.zeros(n, dtype=np.int64)
+        o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], ots, nic, win))
+        nic_s, win_s = nic[o], win[o]
+        fl_s = p["frame_len"][o]
+        dur_s = self.wire_ps(fl_s)
+        ready_s = p["ts_ns"][o].astype(np.int64)
+        at = np.empty(n, dtype=np.int64)
+        at[o] = np.arange(n)
+        dep_o = dep[o]
+        dep_s = np.where(dep_o >= 0, at[np.maximum(dep_o, 0)], -1)
+        start_s = np.zeros(n, dtype=np.int64)
+        bounds = np.flatnonzero(np.r_[True, win_s[1:] != win_s[:-1], True])
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):   # one pass per window
+            r = ready_s[lo:hi].copy()
+            dd = dep_s[lo:hi]
+            early = np.flatnonzero((dd >= 0) & (dd < lo))
+            if len(early):
+                d = dd[early]
+                r[early] = np.maximum(r[early], self.arrival_ns(-(-start_s[d] // 1000), fl_s[d]))
+            inside = np.flatnonzero(dd >= lo)
+            while True:
+                st = self._run(nic_s[lo:hi], r * 1000, dur_s[lo:hi])
+                if not len(inside):
+                    break
+                d = dd[inside] - lo
+                arrive = self.arrival_ns(-(-st[d] // 1000), fl_s[lo:hi][d])
+                late = arrive > -(-st[inside] // 1000)
+                if not late.any():
+                    break
+                r[inside[late]] = np.maximum(r[inside[late]], arrive[late])
+            start_s[lo:hi] = st
+            np.maximum.at(self.busy, nic_s[lo:hi], st + dur_s[lo:hi])
+        ts = np.empty(n, dtype=np.int64)
+        ts[o] = -(-start_s // 1000)
         p["ts_ns"] = ts
 
 
