@@ -687,10 +687,13 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
     # is never ready before a frame already placed, whatever the chunk size.
     grid = max(int(M.latency), 1000) if marker.on else None
     csum = np.cumsum(M.npk + 2)
-    pending = _empty()      # frames not yet on their link
+    pending = _empty()      # frames not yet on their link, by the time they are first ready
+    cnps = _empty()         # CNPs not yet on their link
     placed = _empty()       # frames placed on their link but not yet emitted
+    ready_out: list[dict] = []  # emitted frames waiting to be yielded together
+    n_ready = 0
     lo = 0
-    while lo < M.n or len(pending["ts_ns"]) or len(placed["ts_ns"]):
+    while lo < M.n or len(pending["ts_ns"]) or len(cnps["ts_ns"]) or len(placed["ts_ns"]):
         boundary = None
         if lo < M.n:
             base = csum[lo - 1] if lo else 0
@@ -701,7 +704,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
                 hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
             new = _expand(M, lo, hi)
             new["_dep"] = np.where(new["_dep"] >= 0, new["_dep"] + len(pending["ts_ns"]), -1)
-            pending = _concat([pending, new])
+            pending = _by_ready(_concat([pending, new]))
             # no later message makes a frame ready before the boundary; links only delay frames
             boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
             lo = hi
@@ -709,16 +712,18 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             if grid is None:
                 cut = boundary
             else:
-                first = [int(pending["_ots"].min())] if len(pending["ts_ns"]) else []
-                first += [int(placed["ts_ns"].min())] if len(placed["ts_ns"]) else []
+                first = [int(x[k][0] if k == "_ots" else x[k].min()) for x, k in
+                         ((pending, "_ots"), (cnps, "_ots"), (placed, "ts_ns")) if len(x["ts_ns"])]
                 if not first:
                     break
                 cut = (min(first) // grid + 1) * grid
                 if boundary is not None and cut > boundary:
                     break
             # frames first ready before the cut: no frame made later can be served before them
-            go = (pending["_ots"] < cut) if cut is not None else np.ones(len(pending["ts_ns"]), bool)
-            done, pending = _place(links, pending, go)
+            k = len(pending["ts_ns"]) if cut is None else int(np.searchsorted(pending["_ots"], cut, side="left"))
+            c = len(cnps["ts_ns"]) if cut is None else int(np.searchsorted(cnps["_ots"], cut, side="left"))
+            done, pending = _place(links, pending, k, _slice(cnps, 0, c))
+            cnps = _slice(cnps, c, None)
             placed = _concat([placed, done])
             # frames placed before the cut are final and no later frame can come before them
             o = _order(placed)
@@ -730,35 +735,55 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
                     # CNPs answer packets of this batch; they queue on the receiver's link
                     cnp["ts_ns"] = np.maximum(cnp["ts_ns"], cut)
                     cnp["_ots"] = cnp["ts_ns"].copy()
-                    pending = _concat([pending, cnp])
-                yield {k: out[k] for k in PACKET_COLUMNS}
+                    cnps = _by_ready(_concat([cnps, cnp]))
+                ready_out.append({k: out[k] for k in PACKET_COLUMNS})
+                n_ready += len(out["ts_ns"])
+                if n_ready >= chunk_packets:        # yield chunks of a useful size
+                    yield _join(ready_out)
+                    ready_out, n_ready = [], 0
             if grid is None:
                 break
+    if ready_out:
+        yield _join(ready_out)
 
 
-def _place(links: _Links, pool: dict, go: np.ndarray) -> tuple[dict, dict]:
-    """Put the frames ``pool[go]`` on their links; those of ``pool[~go]`` answering a placed frame
-    get its arrival as their earliest time, the others' ``_dep`` is renumbered.
-    Returns (placed frames, frames that stay)."""
-    n = len(go)
-    idx = np.flatnonzero(go)
-    at = np.full(n, -1, np.int64)
-    at[idx] = np.arange(len(idx))
-    sub = _take(pool, idx)
-    sub["_dep"] = np.where(sub["_dep"] >= 0, at[np.maximum(sub["_dep"], 0)], -1)
+def _join(parts: list[dict]) -> dict:
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([q[k] for q in parts]) for k in parts[0]}
+
+
+def _slice(cols: dict, lo: int, hi: int | None) -> dict:
+    return {k: v[lo:hi] for k, v in cols.items()}
+
+
+def _by_ready(pool: dict) -> dict:
+    """``pool`` sorted by the time each frame was first ready (``_ots``), ``_dep`` renumbered.
+    A frame answers one first ready earlier, so it comes after it."""
+    o = np.argsort(pool["_ots"], kind="stable")
+    out = _take(pool, o)
+    at = np.empty(len(o), dtype=np.int64)
+    at[o] = np.arange(len(o))
+    dep = out["_dep"]
+    out["_dep"] = np.where(dep >= 0, at[np.maximum(dep, 0)], -1)
+    return out
+
+
+def _place(links: _Links, pool: dict, k: int, extra: dict) -> tuple[dict, dict]:
+    """Put the first ``k`` frames of ``pool`` (sorted by :func:`_by_ready`) and the frames
+    ``extra`` (answering none) on their links; the frames that stay and answer a placed frame
+    get its arrival as their earliest time. Returns (placed frames, frames that stay)."""
+    sub = _concat([_slice(pool, 0, k), extra])
     links.schedule(sub)
-    rest = np.flatnonzero(~go)
-    stay = _take(pool, rest)
+    stay = _slice(pool, k, None)
     dep = stay["_dep"]
-    on_link = (dep >= 0) & go[np.maximum(dep, 0)]
-    if on_link.any():
-        d = at[dep[on_link]]
+    on_link = np.flatnonzero((dep >= 0) & (dep < k))
+    if len(on_link):
+        d = dep[on_link]
         arrive = links.arrival_ns(sub["ts_ns"][d], sub["frame_len"][d])
+        stay["ts_ns"] = stay["ts_ns"].copy()
         stay["ts_ns"][on_link] = np.maximum(stay["ts_ns"][on_link], arrive)
-        dep[on_link] = -1
-    new_index = np.full(n, -1, np.int64)
-    new_index[rest] = np.arange(len(rest))
-    stay["_dep"] = np.where(dep >= 0, new_index[np.maximum(dep, 0)], -1)
+    stay["_dep"] = np.where(dep >= k, dep - k, -1)
     return sub, stay
 
 
