@@ -24,7 +24,8 @@ Rules (vectorized over whole columns; no per-message Python loop):
    ``nvlink_latency``). Serialization time on the network counts every frame's overhead:
    Ethernet (14, +4 with a VLAN tag), IPv4 20 or IPv6 40, UDP 8, BTH 12, ICRC 4, FCS 4, preamble
    and SFD 8, inter-frame gap 12 bytes (IEEE 802.3 clause 4.4.2), plus RETH (16) on the first
-   packet and ImmDt (4) on the last; segmentation at the path MTU (IBTA vol. 1, 9.7.7).
+   packet and ImmDt (4) on the last (native IB: LRH, GRH when used, BTH, ICRC, VCRC and the
+   link delimiters instead); segmentation at the path MTU (IBTA vol. 1, 9.7.7).
 """
 
 from __future__ import annotations
@@ -35,31 +36,26 @@ import pyarrow as pa
 from .plan import Plan
 from .topology import Topology
 
-ETH_PREAMBLE_SFD = 8
-ETH_IFG = 12
-ETH_FCS = 4
-ETH_HEADER = 14
-VLAN_TAG = 4
-UDP_HEADER = 8
-BTH_BYTES = 12
 RETH_BYTES = 16
 IMMDT_BYTES = 4
-ICRC_BYTES = 4
 NCCL_STEPS = 8
 """Slots of an NCCL connection's FIFO (``NCCL_STEPS`` in src/include/device.h): at most 8
 slices in flight per connection, hence at most 8 outstanding clear-to-send credits."""
 
 
 def frame_overhead_bytes(plan: Plan) -> int:
-    """Bytes one RoCEv2 packet occupies on the Ethernet wire beyond its IB payload and pad.
+    """Bytes one packet occupies on the wire beyond its IB payload and pad.
 
-    Preamble+SFD, Ethernet header (+802.1Q tag), IP, UDP, BTH, ICRC, FCS and inter-frame gap.
+    RoCEv2: preamble+SFD, Ethernet header (+802.1Q tag, also a priority tag), IPv4 or IPv6, UDP,
+    BTH, ICRC, FCS and inter-frame gap; native IB: LRH (+GRH), BTH, ICRC, VCRC and the link
+    delimiters. The layout is the transport's own (:mod:`wiretrace.transport.layout`), so that
+    message times and packet times agree.
     """
-    t = plan.transport
-    ip = 20 if t.ip_version == 4 else 40
-    vlan = VLAN_TAG if t.vlan is not None else 0
-    return (ETH_PREAMBLE_SFD + ETH_HEADER + vlan + ip + UDP_HEADER + BTH_BYTES + ICRC_BYTES
-            + ETH_FCS + ETH_IFG)
+    from .transport import layout
+    from .transport.headers import GRH
+
+    grh = GRH.length if plan.transport.kind == "ib" and plan.transport.grh else 0
+    return layout.base_header_len(plan) + layout.trailer_len(plan) + layout.wire_extra(plan) + grh
 
 
 def network_wire_bytes(wire_bytes: np.ndarray, plan: Plan) -> np.ndarray:
