@@ -15,6 +15,7 @@ like ``tcpdump -C``: ``out.pcap``, ``out.pcap1``, ``out.pcap2``, ...).
 
 from __future__ import annotations
 
+import abc
 import os
 import queue
 import tempfile
@@ -34,7 +35,7 @@ MAX_OPEN_FILES = 256
 """Files kept open at once by ``split="nic"`` (the rest are reopened for appending)."""
 
 
-class Format:
+class Format(abc.ABC):
     """A capture format: file header, per-record prefix/suffix, record header filling.
 
     Subclasses: :class:`wiretrace.io.pcap.Pcap`, :class:`wiretrace.io.pcapng.Pcapng`,
@@ -55,10 +56,10 @@ class Format:
         """File header; ``nics``: the NICs whose frames the file holds (None: all)."""
         return b""
 
+    @abc.abstractmethod
     def finish_records(self, slots: np.ndarray, chunk: dict, caplen: np.ndarray,
                        origlen: np.ndarray) -> np.ndarray:
         """Fill record headers (and trailers) in ``slots``; return each record's length."""
-        raise NotImplementedError
 
 
 def _writev_all(fd: int, pieces: list) -> int:
