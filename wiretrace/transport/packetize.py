@@ -127,11 +127,12 @@ def _concat(parts: list[dict]) -> dict[str, np.ndarray]:
         return _empty()
     if len(parts) == 1:
         return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in _DTYPES}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _take(cols: dict, sel) -> dict:
-    return {k: v[sel] for k, v in cols.items()}
+def _take(cols: dict, sel, keys=None) -> dict:
+    """Rows ``sel`` of the columns ``keys`` (default: all) of ``cols``."""
+    return {k: cols[k][sel] for k in (cols if keys is None else keys)}
 
 
 def _ack_policy(plan: Plan) -> tuple[str, int]:
@@ -528,12 +529,30 @@ acknowledges what it received before it answers a later READ on that QP), then d
 requests, CNPs."""
 
 
+def _lexsort(keys: tuple) -> np.ndarray:
+    """``np.lexsort(keys)`` (last key primary, stable), as one stable argsort of the keys packed
+    into a single int64 when their value ranges fit in 63 bits (the same order, one sort instead
+    of one per key)."""
+    n = len(keys[0])
+    if n < 2:
+        return np.lexsort(keys)
+    packed = None
+    room = 1 << 63
+    for k in reversed(keys):                  # primary key first
+        lo, hi = int(k.min()), int(k.max())
+        span = hi - lo + 1
+        room //= span
+        if room < 1:
+            return np.lexsort(keys)
+        v = k.astype(np.int64) - lo if lo else k.astype(np.int64, copy=False)
+        packed = v if packed is None else packed * np.int64(span) + v
+    return np.argsort(packed, kind="stable")
+
+
 def _order(p: dict) -> np.ndarray:
     """Row order by time, ties broken by (kind rank, sender NIC, PSN) so that the output does not
     depend on how messages were cut into expansion steps."""
-    key = ((_KIND_RANK[p["_kind"]] << 46) | (p["src_nic"].astype(np.int64) << 24)
-           | p["psn"].astype(np.int64))
-    return np.lexsort((key, p["ts_ns"]))
+    return _lexsort((p["psn"], p["src_nic"], _KIND_RANK[p["_kind"]], p["ts_ns"]))
 
 
 def _sorted(p: dict) -> dict:
@@ -605,7 +624,7 @@ class _Links:
         does not."""
         n = len(p["ts_ns"])
         nic = p["src_nic"].astype(np.int64)
-        o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic))
+        o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic))
         nic_s = nic[o]
         fl_s = p["frame_len"][o]
         dur_s = self.wire_ps(fl_s)
@@ -725,6 +744,9 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
         return
 
     links = _Links(topo.num_nics, M)
+    # columns a placed frame still needs: its packets-table row, and what marking reads
+    out_cols = PACKET_COLUMNS + (("_kind", "_src_qpn") if marker.on else ())
+    placed_cols = PACKET_COLUMNS + ("_kind", "_src_qpn")
     # With ECN marking, CNPs join the links as they are made: frames are put on the links up to
     # cuts on a fixed grid of one hop latency, so a CNP (ready a hop after the packet it answers)
     # is never ready before a frame already placed, whatever the chunk size.
@@ -767,11 +789,11 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             c = len(cnps["ts_ns"]) if cut is None else int(np.searchsorted(cnps["_ots"], cut, side="left"))
             done, pending = _place(links, pending, k, _slice(cnps, 0, c))
             cnps = _slice(cnps, c, None)
-            placed = _concat([placed, done])
+            placed = _concat([placed, _take(done, slice(None), placed_cols)])
             # frames placed before the cut are final and no later frame can come before them
             o = _order(placed)
             n_out = len(o) if cut is None else int(np.searchsorted(placed["ts_ns"][o], cut, side="left"))
-            out, placed = _take(placed, o[:n_out]), _take(placed, o[n_out:])
+            out, placed = _take(placed, o[:n_out], out_cols), _take(placed, o[n_out:])
             if len(out["ts_ns"]):
                 cnp = marker.mark(out) if marker.on else None
                 if cnp is not None:
