@@ -16,6 +16,8 @@ like ``tcpdump -C``: ``out.pcap``, ``out.pcap1``, ``out.pcap2``, ...).
 from __future__ import annotations
 
 import abc
+import ctypes
+import errno
 import os
 import queue
 import tempfile
@@ -28,7 +30,7 @@ import numpy as np
 from ..errors import WiretraceError
 from ..plan import Plan
 from ..topology import Topology
-from ..transport.render import render_slots, slot_pieces
+from ..transport.render import render_slots, slot_runs
 
 IOV_MAX = 1024
 MAX_OPEN_FILES = 256
@@ -62,11 +64,65 @@ class Format(abc.ABC):
         """Fill record headers (and trailers) in ``slots``; return each record's length."""
 
 
+def _libc_writev():
+    """libc's ``writev`` through ctypes (the GIL is released during the call), or None."""
+    try:
+        f = ctypes.CDLL(None, use_errno=True).writev
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    f.restype = ctypes.c_ssize_t
+    return f
+
+
+_WRITEV = _libc_writev()
+
+
+def _writev_runs(fd: int, base: int, starts: np.ndarray, ends: np.ndarray) -> int:
+    """Write the byte ranges ``[starts[i], ends[i])`` of the memory at address ``base``, in
+    order, with one ``writev`` per :data:`IOV_MAX` ranges from an iovec array built with NumPy
+    (no Python object per range). Returns the bytes written."""
+    iov = np.empty((len(starts), 2), dtype=np.uintp)        # struct iovec {base, len}
+    iov[:, 0] = np.uintp(base) + starts.astype(np.uintp)
+    iov[:, 1] = (ends - starts).astype(np.uintp)
+    total = 0
+    i = 0
+    while i < len(iov):
+        batch = iov[i:i + IOV_MAX]
+        want = int(batch[:, 1].sum())
+        done = _WRITEV(fd, batch.ctypes.data, len(batch))
+        if done < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, os.strerror(err))
+        total += done
+        if done == want:
+            i += len(batch)
+            continue
+        # partial write: go on from where the kernel stopped
+        full = int(np.searchsorted(np.cumsum(batch[:, 1]), done, side="right"))
+        i += full
+        skip = done - int(batch[:full, 1].sum())
+        iov[i, 0] += np.uintp(skip)
+        iov[i, 1] -= np.uintp(skip)
+    return total
+
+
+def _write_rows(fd: int, slots: np.ndarray, lengths: np.ndarray) -> int:
+    """Write the first ``lengths[i]`` bytes of each row of ``slots`` (C-contiguous), in order."""
+    starts, ends = slot_runs(slots, lengths)
+    if _WRITEV is None or not slots.flags.c_contiguous:
+        flat = memoryview(slots.reshape(-1))
+        return _writev_all(fd, [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist())])
+    return _writev_runs(fd, slots.ctypes.data, starts, ends)
+
+
 def _writev_all(fd: int, pieces: list) -> int:
     total = 0
     for i in range(0, len(pieces), IOV_MAX):
         batch = pieces[i:i + IOV_MAX]
-        want = sum(len(p) for p in batch)
+        want = sum(map(len, batch))
         done = os.writev(fd, batch)
         while done < want:  # partial write: continue from where the kernel stopped
             rest, skip = [], done
@@ -79,7 +135,7 @@ def _writev_all(fd: int, pieces: list) -> int:
             batch = rest
             want -= done
             done = os.writev(fd, batch)
-        total += sum(len(p) for p in pieces[i:i + IOV_MAX])
+        total += sum(map(len, pieces[i:i + IOV_MAX]))
     return total
 
 
@@ -97,11 +153,12 @@ class _File:
         if header:
             self.size += _writev_all(fd, [memoryview(header)])
 
-    def write(self, pieces: list, nbytes: int, packets: int) -> None:
+    def write(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Append the first ``lengths[i]`` bytes of each row of ``slots`` (one record a row)."""
         if self.fd < 0:                    # closed to stay under the open-file limit: reopen
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
-        self.size += _writev_all(self.fd, pieces)
-        self.packets += packets
+        self.size += _write_rows(self.fd, slots, lengths)
+        self.packets += len(lengths)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -166,7 +223,7 @@ def _append_rotating(f: _File, rotate: Callable[[], _File], slots: np.ndarray, r
                     f.close()
                     f = rotate()
                     continue
-        f.write(slot_pieces(slots[lo:hi], reclen[lo:hi]), int(reclen[lo:hi].sum()), hi - lo)
+        f.write(slots[lo:hi], reclen[lo:hi])
         lo = hi
     return f
 

@@ -459,23 +459,31 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -
         slots[rows, prefix:] = block[:, prefix:]
 
 
+def slot_runs(slots: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Byte ranges ``(start, end)`` (int64 offsets into ``slots`` flattened) holding the first
+    ``lengths[i]`` bytes of each row, merged where rows are full, empty ranges left out. Rows
+    are concatenated in order."""
+    n, width = slots.shape
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    short = np.nonzero(lengths < width)[0]
+    ends = short * np.int64(width) + lengths[short]
+    starts = np.r_[0, (short[:-1] + 1) * np.int64(width)] if len(short) else np.zeros(0, np.int64)
+    tail_start = (int(short[-1]) + 1) * width if len(short) else 0
+    if tail_start < n * width:
+        starts, ends = np.r_[starts, tail_start], np.r_[ends, n * width]
+    keep = ends > starts
+    return starts[keep].astype(np.int64), ends[keep].astype(np.int64)
+
+
 def slot_pieces(slots: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
     """Byte ranges of ``slots`` holding the first ``lengths[i]`` bytes of each row, merged where
     rows are full: ready for ``os.writev``. Rows are concatenated in order."""
-    n, width = slots.shape
-    if n == 0:
+    if len(slots) == 0:
         return []
     flat = memoryview(slots.reshape(-1))
-    short = np.nonzero(lengths < width)[0]
-    if not len(short):
-        return [flat]
-    ends = short * width + lengths[short]
-    starts = np.r_[0, (short[:-1] + 1) * width]
-    pieces = [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist()) if e > s]
-    tail_start = (int(short[-1]) + 1) * width
-    if tail_start < n * width:
-        pieces.append(flat[tail_start:])
-    return pieces
+    starts, ends = slot_runs(slots, lengths)
+    return [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist())]
 
 
 def render(packets, topo: Topology, plan: Plan, snaplen: int = 128
