@@ -111,11 +111,9 @@ class _Progress:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1000.0
-    return f"{n}"
+    from .pipeline import human_bytes
+
+    return human_bytes(n)
 
 
 @main.command()

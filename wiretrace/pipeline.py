@@ -476,7 +476,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         summary.estimate = est
         if est["packets"] > max_packets:
             raise WiretraceError(
-                f"this run would write about {est['packets']:,} packets (~{_human_bytes(est['capture_bytes'])}), "
+                f"this run would write about {est['packets']:,} packets (~{human_bytes(est['capture_bytes'])}), "
                 f"more than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism dp,tp,pp,... "
                 f"or --window START:END (ns), or raise --max-packets")
 
@@ -567,12 +567,13 @@ def lowered_bus_factor(op: str, n: int, size: int, elem_bytes: int = 4) -> float
     return float(sent.max()) / size if size else 0.0
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def human_bytes(n: float) -> str:
+    """``1018404864`` -> ``"1.02 GB"`` (SI units, two decimals; whole bytes below 1 kB)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1000.0
-    return f"{n:.1f} TB"
+    return f"{n:,.2f} TB"
 
 
 def _format_from_suffix(path: Path) -> str:
