@@ -529,24 +529,63 @@ acknowledges what it received before it answers a later READ on that QP), then d
 requests, CNPs."""
 
 
-def _lexsort(keys: tuple) -> np.ndarray:
-    """``np.lexsort(keys)`` (last key primary, stable), as one stable argsort of the keys packed
-    into a single int64 when their value ranges fit in 63 bits (the same order, one sort instead
-    of one per key)."""
+def _pack(keys: tuple, spans: list, los: list) -> np.ndarray:
+    """``keys`` (last primary) as one int64 that sorts like them: mixed radix ``spans``."""
+    packed = None
+    for k, span, lo in zip(reversed(keys), reversed(spans), reversed(los)):
+        v = k.astype(np.int64) - lo if lo else k.astype(np.int64, copy=False)
+        packed = v if packed is None else packed * np.int64(span) + v
+    return packed
+
+
+def _lexsort(keys: tuple, runs: bool = True) -> np.ndarray:
+    """``np.lexsort(keys)`` (last key primary, ties in row order), faster when the keys' value
+    ranges are small. ``runs``: the rows are mostly in order already, and one stable argsort
+    (a merge sort, quick on sorted runs) of the keys packed into one int64 is used. Otherwise
+    the keys and the row index are packed into one int64 and sorted by value (much faster than
+    a stable argsort of shuffled rows); when all keys and the index do not fit in 63 bits, the
+    keys but the first are packed with the index, and rows tied on them are sorted again by
+    (first key, index). Every path gives ``np.lexsort``'s order."""
     n = len(keys[0])
     if n < 2:
         return np.lexsort(keys)
-    packed = None
-    room = 1 << 63
-    for k in reversed(keys):                  # primary key first
-        lo, hi = int(k.min()), int(k.max())
-        span = hi - lo + 1
-        room //= span
-        if room < 1:
-            return np.lexsort(keys)
-        v = k.astype(np.int64) - lo if lo else k.astype(np.int64, copy=False)
-        packed = v if packed is None else packed * np.int64(span) + v
-    return np.argsort(packed, kind="stable")
+    los = [int(k.min()) for k in keys]
+    spans = [int(k.max()) - lo + 1 for k, lo in zip(keys, los)]
+    if runs:
+        total = 1
+        for span in spans:
+            total *= span
+        if total <= 1 << 63:
+            return np.argsort(_pack(keys, spans, los), kind="stable")
+        return np.lexsort(keys)
+    ib = (n - 1).bit_length()                  # bits of the row index
+    index = np.arange(n, dtype=np.int64)
+    mask = np.int64((1 << ib) - 1)
+    room = 1 << (63 - ib)
+    major = 1
+    for span in spans[1:]:
+        major *= span
+    if major * spans[0] <= room:                # every key and the index: one sort
+        s = np.sort((_pack(keys, spans, los) << ib) | index)
+        return s & mask
+    if major <= room and (n * spans[0]) <= room:
+        # the keys but the first with the index, then ties on them by (first key, index)
+        s = np.sort((_pack(keys[1:], spans[1:], los[1:]) << ib) | index)
+        o = s & mask
+        key = s >> ib
+        same = key[1:] == key[:-1]
+        if not same.any():
+            return o
+        follows = np.r_[False, same]           # row has the same keys as the one before
+        pos = np.flatnonzero(follows | np.r_[same, False])
+        grp = np.cumsum(~follows[pos]) - 1
+        minor = keys[0][o[pos]].astype(np.int64) - los[0]
+        s2 = np.sort(((grp * np.int64(spans[0]) + minor) << ib) | o[pos])
+        o[pos] = s2 & mask
+        return o
+    if major * spans[0] <= 1 << 63:
+        return np.argsort(_pack(keys, spans, los), kind="stable")
+    return np.lexsort(keys)
 
 
 def _order(p: dict) -> np.ndarray:
@@ -624,7 +663,7 @@ class _Links:
         does not."""
         n = len(p["ts_ns"])
         nic = p["src_nic"].astype(np.int64)
-        o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic))
+        o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic), runs=False)
         nic_s = nic[o]
         fl_s = p["frame_len"][o]
         dur_s = self.wire_ps(fl_s)
