@@ -249,10 +249,11 @@ class _Messages:
         return np.ceil((frame_len.astype(np.int64) + self.wire_extra) * 8 / self.rate * 1e9).astype(np.int64)
 
 
-def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
+def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[str, np.ndarray]:
     """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted, as one column dict
     whose ``_dep`` points at rows of the same dict; ``ts_ns`` is when each frame is ready to go
-    (before its NIC's link serializes it, see :class:`_Links`)."""
+    (before its NIC's link serializes it, see :class:`_Links`). The rows of ``carry`` (frames
+    with all columns, ``_dep`` pointing into ``carry``) come first."""
     sl = slice(lo, hi)
     npk = M.npk[sl]
     total = int(npk.sum())
@@ -386,9 +387,14 @@ def _expand(M: _Messages, lo: int, hi: int) -> dict[str, np.ndarray]:
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
             "_dep": a_dep.astype(np.int64),
         })
-    out = {k: np.concatenate([q[k] for q in parts]) for k in parts[0]}
-    out["_ots"] = out["ts_ns"].copy()
-    return out
+    n0 = len(carry["ts_ns"]) if carry is not None else 0
+    for q in parts:
+        q["_ots"] = q["ts_ns"]
+        if n0:
+            q["_dep"] = np.where(q["_dep"] >= 0, q["_dep"] + n0, -1)
+    if n0:
+        parts.insert(0, carry)
+    return {k: np.concatenate([q[k] for q in parts]) for k in parts[0]}
 
 
 class _Marker:
@@ -806,9 +812,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             # messages starting at the same ns go together so the boundary below is strict
             if hi < M.n:
                 hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
-            new = _expand(M, lo, hi)
-            new["_dep"] = np.where(new["_dep"] >= 0, new["_dep"] + len(pending["ts_ns"]), -1)
-            pending = _by_ready(_concat([pending, new]))
+            pending = _by_ready(_expand(M, lo, hi, carry=pending))
             # no later message makes a frame ready before the boundary; links only delay frames
             boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
             lo = hi
