@@ -668,12 +668,12 @@ class _Links:
         whenever it settles within ``max_passes`` passes; returns False (links untouched) when it
         does not."""
         n = len(p["ts_ns"])
-        nic = p["src_nic"].astype(np.int64)
+        nic = p["src_nic"]
         o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic), runs=False)
         nic_s = nic[o]
         fl_s = p["frame_len"][o]
         dur_s = self.wire_ps(fl_s)
-        r = p["ts_ns"][o].astype(np.int64)
+        r = p["ts_ns"][o].astype(np.int64, copy=False)
         at = np.empty(n, dtype=np.int64)
         at[o] = np.arange(n)
         dep_o = p["_dep"][o]
@@ -690,7 +690,9 @@ class _Links:
             r[has[late]] = np.maximum(r[has[late]], arrive[late])
         else:
             return False
-        np.maximum.at(self.busy, nic_s, st + dur_s)
+        # each NIC's frames end in order: its last frame's end is when its link is free
+        last = np.flatnonzero(np.r_[nic_s[1:] != nic_s[:-1], True])
+        self.busy[nic_s[last]] = np.maximum(self.busy[nic_s[last]], st[last] + dur_s[last])
         ts = np.empty(n, dtype=np.int64)
         ts[o] = -(-st // 1000)
         p["ts_ns"] = ts
