@@ -28,8 +28,9 @@ ETH_PAD = 2
 def timestamps(ts_ns: np.ndarray) -> np.ndarray:
     """ns -> ERF 32.32 fixed-point seconds (fraction rounded to nearest)."""
     ts = np.asarray(ts_ns, dtype=np.int64)
-    sec = (ts // 1_000_000_000).astype(np.uint64)
-    ns = (ts % 1_000_000_000).astype(np.uint64)
+    whole = ts // 1_000_000_000
+    sec = whole.astype(np.uint64)
+    ns = (ts - whole * 1_000_000_000).astype(np.uint64)
     frac = ((ns << np.uint64(32)) + np.uint64(500_000_000)) // np.uint64(1_000_000_000)
     carry = frac >> np.uint64(32)
     return ((sec + carry) << np.uint64(32)) | (frac & np.uint64(0xFFFFFFFF))
