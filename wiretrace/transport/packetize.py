@@ -249,11 +249,13 @@ class _Messages:
         return np.ceil((frame_len.astype(np.int64) + self.wire_extra) * 8 / self.rate * 1e9).astype(np.int64)
 
 
-def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[str, np.ndarray]:
+def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
+            cols: tuple = ()) -> dict[str, np.ndarray]:
     """Packets (data, read requests, ACKs) of messages ``lo:hi``, unsorted, as one column dict
     whose ``_dep`` points at rows of the same dict; ``ts_ns`` is when each frame is ready to go
     (before its NIC's link serializes it, see :class:`_Links`). The rows of ``carry`` (frames
-    with all columns, ``_dep`` pointing into ``carry``) come first."""
+    with the same columns, ``_dep`` pointing into ``carry``) come first. Only the columns
+    ``cols`` (default all but ``dscp`` and ``ecn``, see :func:`_dscp_ecn`) are kept."""
     sl = slice(lo, hi)
     npk = M.npk[sl]
     total = int(npk.sum())
@@ -328,7 +330,6 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[s
         "ts_ns": ts, "msg_id": rep(M.msg_id), "src_nic": rep(M.src32), "dst_nic": rep(M.dst32),
         "udp_sport": rep(M.udp_sport), "dest_qp": rep(M.qp_dst32), "psn": psn.astype(np.int32),
         "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
-        "dscp": np.full(total, M.dscp, dtype=np.uint8), "ecn": np.full(total, M.ecn, dtype=np.uint8),
         "dma_len": dma, "msn": msn, "imm": imm, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
         "_dep": np.full(total, -1, np.int64),
     }
@@ -351,7 +352,6 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[s
             "psn": M.psn0[gr].astype(np.int32), "opcode": np.full(len(gr), OP_READ_REQUEST, np.uint8),
             "ack_req": np.zeros(len(gr), bool), "payload_len": np.zeros(len(gr), np.int32),
             "pad": np.zeros(len(gr), np.uint8), "frame_len": fl.astype(np.int32),
-            "dscp": np.full(len(gr), M.dscp, np.uint8), "ecn": np.full(len(gr), M.ecn, np.uint8),
             "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32), "imm": np.full(len(gr), -1, np.int64),
             "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
             "_dep": np.full(len(gr), -1, np.int64),
@@ -382,7 +382,6 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[s
             "psn": a_psn.astype(np.int32), "opcode": np.full(na, OP_ACK, np.uint8),
             "ack_req": np.zeros(na, bool), "payload_len": np.zeros(na, np.int32),
             "pad": np.zeros(na, np.uint8), "frame_len": fl.astype(np.int32),
-            "dscp": np.full(na, M.dscp, np.uint8), "ecn": np.full(na, M.ecn, np.uint8),
             "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32), "imm": np.full(na, -1, np.int64),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
             "_dep": a_dep.astype(np.int64),
@@ -394,7 +393,7 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None) -> dict[s
             q["_dep"] = np.where(q["_dep"] >= 0, q["_dep"] + n0, -1)
     if n0:
         parts.insert(0, carry)
-    return {k: np.concatenate([q[k] for q in parts]) for k in parts[0]}
+    return {k: np.concatenate([q[k] for q in parts]) for k in (cols or parts[-1])}
 
 
 class _Marker:
@@ -522,8 +521,7 @@ class _Marker:
             "dest_qp": p["_src_qpn"][r], "psn": np.zeros(n, np.int32),
             "opcode": np.full(n, OP_CNP, np.uint8), "ack_req": np.zeros(n, bool),
             "payload_len": np.zeros(n, np.int32), "pad": np.zeros(n, np.uint8),
-            "frame_len": fl.astype(np.int32), "dscp": np.full(n, CNP_DSCP, np.uint8),
-            "ecn": np.full(n, CNP_ECN, np.uint8), "dma_len": np.full(n, -1, np.int64),
+            "frame_len": fl.astype(np.int32), "dma_len": np.full(n, -1, np.int64),
             "msn": np.full(n, -1, np.int32), "imm": np.full(n, -1, np.int64), "_kind": np.full(n, K_CNP, np.uint8),
             "_src_qpn": p["dest_qp"][r], "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
         }
@@ -791,9 +789,10 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
         return
 
     links = _Links(topo.num_nics, M)
-    # columns a placed frame still needs: its packets-table row, and what marking reads
-    out_cols = PACKET_COLUMNS + (("_kind", "_src_qpn") if marker.on else ())
-    placed_cols = PACKET_COLUMNS + ("_kind", "_src_qpn")
+    # columns a frame carries until it is emitted (DSCP and ECN follow from its kind, see
+    # _dscp_ecn; the sending QP is only read by marking), and once it is placed
+    pool_cols = tuple(k for k in _DTYPES if k not in ("dscp", "ecn") and (marker.on or k != "_src_qpn"))
+    placed_cols = tuple(k for k in pool_cols if k not in ("_dep", "_ots"))
     # With ECN marking, CNPs join the links as they are made: frames are put on the links up to
     # cuts on a fixed grid of one hop latency, so a CNP (ready a hop after the packet it answers)
     # is never ready before a frame already placed, whatever the chunk size.
@@ -814,7 +813,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             # messages starting at the same ns go together so the boundary below is strict
             if hi < M.n:
                 hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
-            pending = _by_ready(_expand(M, lo, hi, carry=pending))
+            pending = _by_ready(_expand(M, lo, hi, carry=pending, cols=pool_cols))
             # no later message makes a frame ready before the boundary; links only delay frames
             boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None
             lo = hi
@@ -838,8 +837,9 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             # frames placed before the cut are final and no later frame can come before them
             o = _order(placed)
             n_out = len(o) if cut is None else int(np.searchsorted(placed["ts_ns"][o], cut, side="left"))
-            out, placed = _take(placed, o[:n_out], out_cols), _take(placed, o[n_out:])
+            out, placed = _take(placed, o[:n_out], placed_cols), _take(placed, o[n_out:])
             if len(out["ts_ns"]):
+                out["dscp"], out["ecn"] = _dscp_ecn(M, out["_kind"])
                 cnp = marker.mark(out) if marker.on else None
                 if cnp is not None:
                     # CNPs answer packets of this batch; they queue on the receiver's link
@@ -855,6 +855,17 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
                 break
     if ready_out:
         yield _join(ready_out)
+
+
+def _dscp_ecn(M: _Messages, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DSCP and ECN columns of frames of kind ``kind``: the transport's for data, ACKs and READ
+    requests, :data:`CNP_DSCP`/:data:`CNP_ECN` for CNPs (before any CE mark)."""
+    cnp = kind == K_CNP
+    dscp = np.full(len(kind), M.dscp, dtype=np.uint8)
+    ecn = np.full(len(kind), M.ecn, dtype=np.uint8)
+    if cnp.any():
+        dscp[cnp], ecn[cnp] = CNP_DSCP, CNP_ECN
+    return dscp, ecn
 
 
 def _join(parts: list[dict]) -> dict:
