@@ -231,6 +231,9 @@ class _Pacer:
         return out
 
 
+REPLAY_CACHE_BYTES = 256 * 1024 * 1024
+"""Captures up to this size are read and completed once, before the first frame is sent."""
+
 RT_SPIN_NS = 50_000
 """Spin margin under SCHED_FIFO, where a sleeping sender wakes within tens of microseconds."""
 
@@ -530,16 +533,16 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
     last_bytes = 0
     t0 = None
     try:
-        for k in range(loop):
-            pacer.start_loop()
+        def prepared():
+            """Each batch with what sending it needs: the part of each frame to send, its length,
+            and the completion of truncated frames."""
             for batch in iter_frames(capture, on_truncated="warn"):
                 n = len(batch)
                 if n == 0:
                     continue
-                data = batch.data
-                offs = batch.offsets
                 caplen = batch.caplen.astype(np.int64)
                 origlen = batch.origlen.astype(np.int64)
+                skipped = 0
                 if iface is not None:
                     _check_linktypes(batch.linktype, iface, kind, fmt)
                     big = origlen > max_frame
@@ -554,10 +557,22 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                 else:
                     part, length, _ = _udp_parts(batch)
                     skip = part < 0
-                    rep.skipped += int(skip.sum())
+                    skipped = int(skip.sum())
                     length = np.where(skip, 0, length)
                 short = caplen < origlen
                 fill = complete_frames(batch) if short.any() else None
+                yield batch, caplen, origlen, part, length, short, fill, skipped
+
+        # a capture that fits in memory is prepared once, so that every pass starts on time
+        cache = list(prepared()) if os.path.getsize(capture) <= REPLAY_CACHE_BYTES else None
+        for k in range(loop):
+            pacer.start_loop()
+            for batch, caplen, origlen, part, length, short, fill, skipped in (cache if cache is not None
+                                                                                 else prepared()):
+                n = len(batch)
+                data = batch.data
+                offs = batch.offsets
+                rep.skipped += skipped
                 due = pacer.due(batch.ts_ns, length)
                 if t0 is None:
                     t0 = time.perf_counter_ns() + 1_000_000   # 1 ms to settle
