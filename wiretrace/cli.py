@@ -61,12 +61,15 @@ def main() -> None:
     tables. Start with `wiretrace generate --plan plan.json -o iter.pcap`.
     """
     # SIGTERM (kill, a batch scheduler's time limit) unwinds like Ctrl-C, so that temporary
-    # outputs are removed and nothing partial is left behind.
+    # outputs are removed and nothing partial is left behind; the exit status is 143.
     signal.signal(signal.SIGTERM, _terminate)
 
 
 def _terminate(signum, frame):
-    raise KeyboardInterrupt
+    """Unwind (temporary outputs are removed on the way) and exit 128 + signal, as a shell
+    reports a process killed by that signal."""
+    click.echo(f"wiretrace: terminated by signal {signum}; temporary outputs removed", err=True)
+    raise SystemExit(128 + signum)
 
 
 # ---------------------------------------------------------------------------------------------
