@@ -134,15 +134,23 @@ def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
     rows = np.nonzero(icrc_pos < limit)[0]
     if not len(rows):
         return
+    vals = _icrc_values(slots[:, prefix + l2:], rows, hb - l2, F, 4)
+    _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
+
+
+def _icrc_values(ip_on: np.ndarray, rows: np.ndarray, headers: int, F: _Frames, ip_version: int) -> np.ndarray:
+    """ICRC of frames ``rows`` (uint32): ``ip_on`` holds each frame from its IP header on,
+    ``headers`` bytes of IP, UDP and BTH, then the extension headers; the payload and pad are
+    folded in from their deterministic pattern (CRC linearity), one group per extension length."""
     vals = np.zeros(len(rows), dtype=np.uint32)
     for el in np.unique(F.ext_len[rows]).tolist():
         sel = F.ext_len[rows] == el
         g = rows[sel]
-        masked = C.mask_rocev2(slots[g, prefix + l2:prefix + hb + el], 4)
+        masked = C.mask_rocev2(ip_on[g, :headers + el], ip_version)
         state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
         k, tail = _tail(C.CRC32, F, g)
         vals[sel] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
-    _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
+    return vals
 
 
 def _ext_groups(F: _Frames) -> dict[int, np.ndarray]:
@@ -342,15 +350,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     rows = np.arange(n) if not v4 else np.nonzero(icrc_pos < limit)[0]
     if not len(rows):
         return
-    vals = np.zeros(len(rows), dtype=np.uint32)
-    for el in np.unique(F.ext_len[rows]).tolist():
-        sel = F.ext_len[rows] == el
-        g = rows[sel]
-        masked = C.mask_rocev2(hdr[g, l2:hb + el], t.ip_version)
-        state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
-        k, tail = _tail(C.CRC32, F, g)
-        vals[sel] = (C.CRC32.shift(state, k) ^ tail) ^ np.uint32(0xFFFFFFFF)
-    crc = C.icrc_bytes(vals)
+    crc = C.icrc_bytes(_icrc_values(hdr[:, l2:], rows, hb - l2, F, t.ip_version))
     _scatter_trailer(slots, rows, icrc_pos[rows], crc, limit[rows])
     if not v4:
         csum = _udp6_checksum(hdr, rows, F, l2, udp_at, hb, crc)
