@@ -243,6 +243,42 @@ def test_frames_rendered_in_small_pieces_give_the_same_files(tmp_path, roce, mon
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
+@pytest.mark.parametrize("fmt,split,snaplen,kind", [("pcap", None, 0, "rocev2"), ("pcapng", "nic", 0, "rocev2"),
+                                                    ("erf", None, 1000, "rocev2"), ("erf", None, 0, "ib"),
+                                                    ("pcapng", None, 0, "ib")])
+def test_payload_sent_from_the_pattern_gives_the_same_files(tmp_path, roce, monkeypatch, fmt, split, snaplen, kind):
+    """Whole frames go out with their payload taken from the pattern by writev (not rendered
+    into every row): the files are byte for byte those of rendered payloads, and dpkt reads the
+    payload as byte i = i mod 256."""
+    import wiretrace.io.write as W
+
+    plan, topo, p = roce
+    if kind == "ib":
+        plan, topo = make_plan({"kind": "ib"}, subnets=2)
+        p = all_packets(serial_messages([5000, 100, 3001, 8000]), topo, plan)
+    a, b = tmp_path / "a", tmp_path / "b"
+    name = f"x.{fmt}"
+    monkeypatch.setattr(W, "BY_REFERENCE_BYTES", 1 << 30)       # never: payload rendered
+    write_capture(a / name if split is None else a, [p], topo, plan, snaplen=snaplen, fmt=fmt, split=split,
+                  max_file_size=6_000)
+    calls = []
+    real = W._hole_iovecs
+    monkeypatch.setattr(W, "_hole_iovecs", lambda *x: calls.append(1) or real(*x))
+    monkeypatch.setattr(W, "BY_REFERENCE_BYTES", 0)             # always: payload from the pattern
+    write_capture(b / name if split is None else b, [p], topo, plan, snaplen=snaplen, fmt=fmt, split=split,
+                  max_file_size=6_000)
+    assert calls
+    names = sorted(f.name for f in a.iterdir())
+    assert len(names) > 1 and names == sorted(f.name for f in b.iterdir())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    if fmt == "pcap":
+        with open(b / name, "rb") as fh:
+            frames = [bytes(x) for _, x in dpkt.pcap.Reader(fh)]
+        mid = [f for f, op in zip(frames, p["opcode"]) if op == 0x07]      # RDMA WRITE MIDDLE
+        assert mid and all(f[54:54 + 1024] == bytes(range(256)) * 4 for f in mid)
+
+
 @pytest.mark.parametrize("suffix", [".pcap", ".pcapng"])
 def test_split_per_nic_rotates_each_nic_at_max_file_size(tmp_path, roce, suffix):
     plan, topo, p = roce

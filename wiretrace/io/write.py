@@ -5,7 +5,11 @@ array with room for the format's record header before each frame (and trailer af
 record headers with column stores, and hands the rows to the kernel with ``os.writev`` — no
 per-packet Python code, no extra copy of the frame bytes. Producing the next chunk (the caller's
 generator), rendering and writing run on three threads at once (:func:`write_stream`); whole
-frames are rendered in pieces of :data:`SLOT_BYTES` so that memory stays bounded.
+frames are rendered in pieces of :data:`SLOT_BYTES` so that memory stays bounded. Payloads are
+deterministic (:data:`~wiretrace.transport.render.PAYLOAD_PATTERN`): when frames carry long ones,
+only headers and trailers are rendered and each record goes out as three iovecs (row bytes before
+the payload, the pattern itself, row bytes after it), so payload bytes are copied once, by the
+kernel.
 
 Files are written under a temporary name beside the target and renamed when complete, so a failed
 run leaves nothing behind. :func:`write_capture` adds the two ways of cutting a capture: one file
@@ -30,7 +34,7 @@ import numpy as np
 from ..errors import WiretraceError
 from ..plan import Plan
 from ..topology import Topology
-from ..transport.render import render_slots, slot_runs
+from ..transport.render import PAYLOAD_PATTERN, payload_spans, render_slots, slot_runs
 
 IOV_MAX = 1024
 MAX_OPEN_FILES = 256
@@ -78,13 +82,10 @@ def _libc_writev():
 _WRITEV = _libc_writev()
 
 
-def _writev_runs(fd: int, base: int, starts: np.ndarray, ends: np.ndarray) -> int:
-    """Write the byte ranges ``[starts[i], ends[i])`` of the memory at address ``base``, in
-    order, with one ``writev`` per :data:`IOV_MAX` ranges from an iovec array built with NumPy
-    (no Python object per range). Returns the bytes written."""
-    iov = np.empty((len(starts), 2), dtype=np.uintp)        # struct iovec {base, len}
-    iov[:, 0] = np.uintp(base) + starts.astype(np.uintp)
-    iov[:, 1] = (ends - starts).astype(np.uintp)
+def _writev_iov(fd: int, iov: np.ndarray) -> int:
+    """Write the memory ranges of ``iov`` (``(k, 2)`` uintp rows ``{address, length}``, a
+    ``struct iovec`` array), in order, with one ``writev`` per :data:`IOV_MAX` ranges; short
+    writes go on from where the kernel stopped. Returns the bytes written."""
     total = 0
     i = 0
     while i < len(iov):
@@ -100,7 +101,6 @@ def _writev_runs(fd: int, base: int, starts: np.ndarray, ends: np.ndarray) -> in
         if done == want:
             i += len(batch)
             continue
-        # partial write: go on from where the kernel stopped
         full = int(np.searchsorted(np.cumsum(batch[:, 1]), done, side="right"))
         i += full
         skip = done - int(batch[:full, 1].sum())
@@ -109,12 +109,65 @@ def _writev_runs(fd: int, base: int, starts: np.ndarray, ends: np.ndarray) -> in
     return total
 
 
-def _write_rows(fd: int, slots: np.ndarray, lengths: np.ndarray) -> int:
-    """Write the first ``lengths[i]`` bytes of each row of ``slots`` (C-contiguous), in order."""
-    starts, ends = slot_runs(slots, lengths)
+def _writev_runs(fd: int, base: int, starts: np.ndarray, ends: np.ndarray) -> int:
+    """Write the byte ranges ``[starts[i], ends[i])`` of the memory at address ``base``, in
+    order (an iovec array built with NumPy: no Python object per range). Returns the bytes
+    written."""
+    iov = np.empty((len(starts), 2), dtype=np.uintp)        # struct iovec {base, len}
+    iov[:, 0] = np.uintp(base) + starts.astype(np.uintp)
+    iov[:, 1] = (ends - starts).astype(np.uintp)
+    return _writev_iov(fd, iov)
+
+
+Holes = tuple[np.ndarray, np.ndarray]
+"""Per row ``(at, length)``: the row's bytes ``at .. at + length`` are the payload pattern
+(:data:`wiretrace.transport.render.PAYLOAD_PATTERN`), sent from the pattern itself."""
+
+_PATTERN_ADDR = PAYLOAD_PATTERN.ctypes.data
+
+
+def _hole_iovecs(slots: np.ndarray, rows: np.ndarray, lengths: np.ndarray, holes: Holes) -> np.ndarray:
+    """iovecs of records ``rows`` of ``slots``: each row's bytes before its hole, the payload
+    pattern, the row's bytes after the hole up to ``lengths`` (empty ranges dropped)."""
+    width = slots.shape[1]
+    at, ln = (np.asarray(h, dtype=np.int64) for h in holes)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    start = rows.astype(np.int64) * width
+    has = ln > 0
+    iov = np.empty((len(rows), 3, 2), dtype=np.uintp)
+    base = np.uintp(slots.ctypes.data)
+    iov[:, 0, 0] = base + start.astype(np.uintp)
+    iov[:, 0, 1] = np.where(has, at, lengths).astype(np.uintp)
+    iov[:, 1, 0] = np.uintp(_PATTERN_ADDR)
+    iov[:, 1, 1] = ln.astype(np.uintp)
+    iov[:, 2, 0] = base + (start + at + ln).astype(np.uintp)
+    iov[:, 2, 1] = np.where(has, lengths - at - ln, 0).astype(np.uintp)
+    iov = iov.reshape(-1, 2)
+    return iov[iov[:, 1] > 0]
+
+
+def _write_rows(fd: int, slots: np.ndarray, lengths: np.ndarray, holes: Holes | None = None,
+                rows: np.ndarray | None = None) -> int:
+    """Write the first ``lengths[i]`` bytes of each row of ``slots`` (C-contiguous), in order;
+    ``rows``: only these rows (``lengths`` and ``holes`` are theirs); ``holes``: ranges sent
+    from the payload pattern instead of the row (see :data:`Holes`)."""
     if _WRITEV is None or not slots.flags.c_contiguous:
-        flat = memoryview(slots.reshape(-1))
+        if holes is not None:
+            raise ValueError("payload holes need libc writev and C-contiguous slots")
+        sub = slots if rows is None else slots[rows]
+        starts, ends = slot_runs(sub, lengths)
+        flat = memoryview(np.ascontiguousarray(sub).reshape(-1))
         return _writev_all(fd, [flat[s:e] for s, e in zip(starts.tolist(), ends.tolist())])
+    if holes is not None:
+        r = np.arange(len(slots)) if rows is None else rows
+        return _writev_iov(fd, _hole_iovecs(slots, r, lengths, holes))
+    if rows is not None:
+        width = slots.shape[1]
+        iov = np.empty((len(rows), 2), dtype=np.uintp)
+        iov[:, 0] = np.uintp(slots.ctypes.data) + (rows.astype(np.int64) * width).astype(np.uintp)
+        iov[:, 1] = np.asarray(lengths).astype(np.uintp)
+        return _writev_iov(fd, iov[iov[:, 1] > 0])
+    starts, ends = slot_runs(slots, lengths)
     return _writev_runs(fd, slots.ctypes.data, starts, ends)
 
 
@@ -153,11 +206,13 @@ class _File:
         if header:
             self.size += _writev_all(fd, [memoryview(header)])
 
-    def write(self, slots: np.ndarray, lengths: np.ndarray) -> None:
-        """Append the first ``lengths[i]`` bytes of each row of ``slots`` (one record a row)."""
+    def write(self, slots: np.ndarray, lengths: np.ndarray, holes: Holes | None = None,
+              rows: np.ndarray | None = None) -> None:
+        """Append the first ``lengths[i]`` bytes of each row of ``slots`` (one record a row; only
+        ``rows`` when given), payload ``holes`` sent from the pattern (see :func:`_write_rows`)."""
         if self.fd < 0:                    # closed to stay under the open-file limit: reopen
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
-        self.size += _write_rows(self.fd, slots, lengths)
+        self.size += _write_rows(self.fd, slots, lengths, holes, rows)
         self.packets += len(lengths)
 
     def close(self) -> None:
@@ -174,11 +229,24 @@ class _File:
         self.tmp.unlink(missing_ok=True)
 
 
+BY_REFERENCE_BYTES = 512
+"""Chunks whose frames capture this many payload bytes on average send the payload from
+:data:`~wiretrace.transport.render.PAYLOAD_PATTERN` (one more iovec each side of it) instead of
+rendering it into every row: the bytes are then copied once, by the kernel, as by one write()."""
+
+
 def _records(fmt: Format, chunk: dict, buf: np.ndarray | None):
+    """Render ``chunk`` into slot rows with their record headers: ``(slots, reclen, holes)``,
+    ``holes`` (see :data:`Holes`) None when the payload was rendered into the rows."""
+    holes = None
+    if _WRITEV is not None and len(chunk["ts_ns"]):
+        at, ln = payload_spans(chunk, fmt.topo, fmt.plan, fmt.snaplen, prefix=fmt.prefix)
+        if ln.mean() >= BY_REFERENCE_BYTES:
+            holes = (at, ln)
     slots, caplen, origlen = render_slots(chunk, fmt.topo, fmt.plan, fmt.snaplen, prefix=fmt.prefix,
-                                          out=buf, suffix=fmt.suffix)
+                                          out=buf, suffix=fmt.suffix, payload=holes is None)
     reclen = fmt.finish_records(slots, chunk, caplen, origlen)
-    return slots, reclen
+    return slots, reclen, holes
 
 
 SLOT_BYTES = 32 << 20
@@ -205,8 +273,10 @@ def _rotated_name(path: Path, i: int) -> Path:
 
 
 def _append_rotating(f: _File, rotate: Callable[[], _File], slots: np.ndarray, reclen: np.ndarray,
-                     max_file_size: int | None) -> _File:
-    """Append records ``slots``/``reclen`` to ``f``; before a file would grow past
+                     max_file_size: int | None, holes: Holes | None = None,
+                     rows: np.ndarray | None = None) -> _File:
+    """Append records ``slots``/``reclen`` (``rows`` of ``slots`` when given, ``holes`` theirs) to
+    ``f``; before a file would grow past
     ``max_file_size`` bytes, close it and go on in ``rotate()`` (a record larger than the limit
     gets a file of its own). Returns the file written last."""
     n = len(reclen)
@@ -223,7 +293,11 @@ def _append_rotating(f: _File, rotate: Callable[[], _File], slots: np.ndarray, r
                     f.close()
                     f = rotate()
                     continue
-        f.write(slots[lo:hi], reclen[lo:hi])
+        h = None if holes is None else (holes[0][lo:hi], holes[1][lo:hi])
+        if rows is None:
+            f.write(slots[lo:hi], reclen[lo:hi], h)
+        else:
+            f.write(slots, reclen[lo:hi], h, rows[lo:hi])
         lo = hi
     return f
 
@@ -243,14 +317,14 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} file header")
     files: list[_File] = []
 
-    def put(slots: np.ndarray, reclen: np.ndarray) -> None:
+    def put(slots: np.ndarray, reclen: np.ndarray, holes: Holes | None) -> None:
         """Append one chunk's records (runs on the I/O thread, one chunk after another)."""
 
         def rotate() -> _File:
             files.append(_File(_rotated_name(path, len(files)), header))
             return files[-1]
 
-        _append_rotating(files[-1], rotate, slots, reclen, max_file_size)
+        _append_rotating(files[-1], rotate, slots, reclen, max_file_size, holes)
 
     # Three stages overlap: the caller's generator (packetize, Parquet) on this thread, rendering
     # on one worker, os.writev on another (NumPy loops and writev release the GIL). Three slot
@@ -261,9 +335,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         free.put(None)
     writes: list[Future] = []
 
-    def write_and_release(slots, reclen, flat) -> None:
+    def write_and_release(slots, reclen, holes, flat) -> None:
         try:
-            put(slots, reclen)
+            put(slots, reclen, holes)
         finally:
             free.put(flat)
 
@@ -271,13 +345,13 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         for part in _byte_bounded(chunk, fmt):
             flat = free.get()
             try:
-                slots, reclen = _records(fmt, part, flat)
+                slots, reclen, holes = _records(fmt, part, flat)
             except BaseException:
                 free.put(flat)
                 raise
             if flat is None or flat.size < slots.size:
                 flat = slots.reshape(-1)
-            writes.append(writer.submit(write_and_release, slots, reclen, flat))
+            writes.append(writer.submit(write_and_release, slots, reclen, holes, flat))
 
     inflight: list[Future] = []
     packets = 0
@@ -348,7 +422,7 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
         return f
 
     def put(chunk: dict) -> None:
-        slots, reclen = _records(fmt, chunk, buf[0])
+        slots, reclen, holes = _records(fmt, chunk, buf[0])
         if buf[0] is None or buf[0].size < slots.size:
             buf[0] = slots.reshape(-1)
         src = np.asarray(chunk["src_nic"], dtype=np.int64)
@@ -361,8 +435,13 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
             f = writers.get(nic)
             if f is None:
                 f = open_file(nic)
-            f = _append_rotating(f, lambda nic=nic: open_file(nic), np.ascontiguousarray(slots[rows]),
-                                 reclen[rows], max_file_size)
+            h = None if holes is None else (holes[0][rows], holes[1][rows])
+            if _WRITEV is not None and slots.flags.c_contiguous:
+                f = _append_rotating(f, lambda nic=nic: open_file(nic), slots, reclen[rows], max_file_size,
+                                     h, rows)
+            else:
+                f = _append_rotating(f, lambda nic=nic: open_file(nic), np.ascontiguousarray(slots[rows]),
+                                     reclen[rows], max_file_size)
             writers[nic] = f
             lru.pop(nic, None)
             lru[nic] = f

@@ -76,7 +76,8 @@ class _Frames:
 
 
 def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix: int = 0,
-                 out: np.ndarray | None = None, suffix: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 out: np.ndarray | None = None, suffix: int = 0, payload: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Render frames into rows of a slot array.
 
     Parameters
@@ -89,6 +90,9 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
     out : optional preallocated uint8 array of at least ``n * width`` bytes to reuse (its first
         ``n * width`` bytes are used).
     suffix : extra bytes per row after the longest captured frame (record trailers, padding).
+    payload : False leaves the payload bytes of every row unwritten (headers, pad, ICRC/VCRC are
+        written): for a writer that sends :data:`PAYLOAD_PATTERN` in their place, see
+        :func:`payload_spans`.
 
     Returns
     -------
@@ -107,7 +111,8 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
     if n == 0:
         return slots, F.caplen, F.frame_len
     if n <= BLOCK_ROWS:
-        (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots, prefix, F, packets, topo, plan)
+        (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots, prefix, F, packets, topo, plan,
+                                                                     payload=payload)
         return slots, F.caplen, F.frame_len
     # Column operations run over blocks of rows that stay in the CPU cache; the few IPv4 ICRCs
     # inside the snap length (ACKs, CNPs, short frames) are computed once for the whole chunk.
@@ -117,12 +122,30 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
         sub = {k: np.asarray(v)[lo:hi] for k, v in packets.items()}
         Fb = _Frames(sub, topo, plan, snaplen)
         if v4_roce:
-            _render_roce(slots[lo:hi], prefix, Fb, sub, topo, plan, crc=False)
+            _render_roce(slots[lo:hi], prefix, Fb, sub, topo, plan, crc=False, payload=payload)
         else:
-            (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots[lo:hi], prefix, Fb, sub, topo, plan)
+            (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots[lo:hi], prefix, Fb, sub, topo, plan,
+                                                                         payload=payload)
     if v4_roce:
         _icrc_v4_captured(slots, prefix, F, plan)
     return slots, F.caplen, F.frame_len
+
+
+def payload_spans(packets, topo: Topology, plan: Plan, snaplen: int, prefix: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Where each frame's payload sits in its slot row and how much of it is captured.
+
+    Returns ``(at, length)``, ``(n,)`` int64 each: row ``i``'s columns ``at[i]`` to
+    ``at[i] + length[i]`` hold ``PAYLOAD_PATTERN[:length[i]]`` (the payload after the headers,
+    cut at the snap length; ``length`` 0 for frames without payload or captured only up to
+    their headers). A writer may send those bytes from :data:`PAYLOAD_PATTERN` itself and have
+    :func:`render_slots` skip them (``payload=False``)."""
+    F = _Frames(packets, topo, plan, snaplen)
+    headers = layout.base_header_len(plan) + F.ext_len.astype(np.int64)
+    if plan.transport.kind == "ib":
+        headers = headers + layout.has_grh(F.src, F.dst, topo, plan).astype(np.int64) * H.GRH.length
+    length = np.clip(F.caplen.astype(np.int64) - headers, 0, F.payload.astype(np.int64))
+    return prefix + headers, length
 
 
 def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
@@ -165,18 +188,30 @@ def _ext_groups(F: _Frames) -> dict[int, np.ndarray]:
     return {int(codes[cut[i]]): idx[cut[i]:cut[i + 1]] for i in range(len(cut) - 1)}
 
 
-def _fill_ext_and_payload(slots, off: int, F: _Frames, packets) -> None:
-    """Extension headers at column ``off`` (after BTH), payload pattern after them, zero pad."""
+def _fill_ext_and_payload(slots, off: int, F: _Frames, packets, payload: bool = True) -> None:
+    """Extension headers at column ``off`` (after BTH), payload pattern after them (unless
+    ``payload`` is False), zero pad."""
     n, width = slots.shape
     span = width - off
     if span <= 0:
         return
     # Most packets (MIDDLE) have no extension header: write the payload pattern for all rows,
     # then rewrite the rows that do carry extension headers.
-    slots[:, off:] = PAYLOAD_PATTERN[:span]
+    if payload:
+        slots[:, off:] = PAYLOAD_PATTERN[:span]
     for code, rows in _ext_groups(F).items():
-        slots[rows, off:] = _ext_block(_ext_rows(F, packets, code, rows), span)
+        _put_ext(slots, rows, off, _ext_rows(F, packets, code, rows), span, payload)
     _zero_pad(slots, off, F)
+
+
+def _put_ext(slots, rows: np.ndarray, off: int, ext: np.ndarray, span: int, payload: bool) -> None:
+    """Extension headers ``ext`` of ``rows`` at column ``off`` (``span`` columns to the row's
+    end), followed by the payload pattern when ``payload``."""
+    if payload:
+        slots[rows, off:] = _ext_block(ext, span)
+    else:
+        k = min(ext.shape[1], span)
+        slots[rows, off:off + k] = ext[:, :k]
 
 
 def _ext_block(ext: np.ndarray, span: int) -> np.ndarray:
@@ -276,7 +311,8 @@ def _ipv4_checksum(topo: Topology, F: _Frames, dscp, ecn, total, ident) -> np.nd
     return (~s & np.uint32(0xFFFF)).astype(np.uint16)
 
 
-def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, crc: bool = True) -> None:
+def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, crc: bool = True,
+                 payload: bool = True) -> None:
     t = plan.transport
     n, width = slots.shape
     vid = layout.vlan_tag(plan)
@@ -294,7 +330,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     ext_off = prefix + hb
     full = width >= ext_off + emax
     if full:
-        if width > ext_off:
+        if width > ext_off and payload:
             slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
         hdr = slots[:, prefix:ext_off + emax]
     else:
@@ -329,7 +365,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
     H.BTH.pack(n, bth, out=hdr[:, udp_at + H.UDP.length:hb])
     if not full:
         _put(slots, prefix, hdr[:, :hb])
-        if width > ext_off:
+        if width > ext_off and payload:
             slots[:, ext_off:] = PAYLOAD_PATTERN[:width - ext_off]
     groups = _ext_groups(F)
     span = width - ext_off
@@ -339,7 +375,7 @@ def _render_roce(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan,
         if not full:
             hdr[rows, hb:hb + el] = ext
         if span > 0:
-            slots[rows, ext_off:] = _ext_block(ext, span)
+            _put_ext(slots, rows, ext_off, ext, span, payload)
     _zero_pad(slots, ext_off, F)
 
     # ICRC: where it was captured, and for every IPv6 frame (its UDP checksum covers the ICRC).
@@ -401,7 +437,7 @@ def _put(slots, off: int, block: np.ndarray) -> None:
         slots[:, off:end] = block[:, :end - off]
 
 
-def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -> None:
+def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, payload: bool = True) -> None:
     n, width = slots.shape
     grh = layout.has_grh(F.src, F.dst, topo, plan)
     limit = prefix + F.caplen
@@ -433,7 +469,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan) -
         _put(block, off, bth)
         ext_off = off + H.BTH.length
         sub_packets = {k: np.asarray(v)[rows] for k, v in packets.items()}
-        _fill_ext_and_payload(block, ext_off, sub, sub_packets)
+        _fill_ext_and_payload(block, ext_off, sub, sub_packets, payload)
 
         icrc_pos = prefix + sub.frame_len - H.ICRC_LEN - H.VCRC_LEN
         lim = limit[rows]
