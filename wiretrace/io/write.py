@@ -239,7 +239,7 @@ def _records(fmt: Format, chunk: dict, buf: np.ndarray | None):
     """Render ``chunk`` into slot rows with their record headers: ``(slots, reclen, holes)``,
     ``holes`` (see :data:`Holes`) None when the payload was rendered into the rows."""
     holes = None
-    if _WRITEV is not None and len(chunk["ts_ns"]):
+    if _WRITEV is not None and len(chunk["ts_ns"]) and not 0 < fmt.snaplen < BY_REFERENCE_BYTES:
         at, ln = payload_spans(chunk, fmt.topo, fmt.plan, fmt.snaplen, prefix=fmt.prefix)
         if ln.mean() >= BY_REFERENCE_BYTES:
             holes = (at, ln)

@@ -110,13 +110,16 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
         slots = np.empty((n, width), dtype=np.uint8)
     if n == 0:
         return slots, F.caplen, F.frame_len
+    v4_roce = plan.transport.kind != "ib" and plan.transport.ip_version == 4
+    if v4_roce and _render_roce_templated(slots, prefix, F, packets, topo, plan, payload):
+        _icrc_v4_captured(slots, prefix, F, plan)
+        return slots, F.caplen, F.frame_len
     if n <= BLOCK_ROWS:
         (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots, prefix, F, packets, topo, plan,
                                                                      payload=payload)
         return slots, F.caplen, F.frame_len
     # Column operations run over blocks of rows that stay in the CPU cache; the few IPv4 ICRCs
     # inside the snap length (ACKs, CNPs, short frames) are computed once for the whole chunk.
-    v4_roce = plan.transport.kind != "ib" and plan.transport.ip_version == 4
     for lo in range(0, n, BLOCK_ROWS):
         hi = min(n, lo + BLOCK_ROWS)
         sub = {k: np.asarray(v)[lo:hi] for k, v in packets.items()}
@@ -146,6 +149,101 @@ def payload_spans(packets, topo: Topology, plan: Plan, snaplen: int, prefix: int
         headers = headers + layout.has_grh(F.src, F.dst, topo, plan).astype(np.int64) * H.GRH.length
     length = np.clip(F.caplen.astype(np.int64) - headers, 0, F.payload.astype(np.int64))
     return prefix + headers, length
+
+
+_MIDDLE = np.zeros(256, dtype=bool)
+for _c, _o in H.OPCODES.items():
+    if _o.name.endswith("_MIDDLE") and not _o.ext:
+        _MIDDLE[_c] = True
+"""MIDDLE opcodes without extension headers: frames of one connection that differ only in PSN,
+AckReq, IPv4 identification and checksum (and time)."""
+TEMPLATE_BITS = 12
+TEMPLATE_SLOTS = 1 << TEMPLATE_BITS
+"""Hash-table slots for the connections of one block of rows (:func:`_render_roce_templated`)."""
+
+
+def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topology, plan: Plan,
+                           payload: bool) -> bool:
+    """Render a block of IPv4 RoCEv2 frames from per-connection templates; False (nothing written)
+    when the block does not suit them.
+
+    Most frames of long messages are MIDDLE packets, and two MIDDLE frames of one connection
+    (same NICs, destination QP, opcode, UDP port, DSCP/ECN, length) differ only in four fields:
+    IPv4 identification (PSN mod 2^16) and header checksum, BTH AckReq and PSN. Each such
+    connection's frame is rendered once by :func:`_render_roce`, copied into its rows (one row
+    gather), and those fields are patched as columns; the checksum is the template's one's
+    complement sum plus the identification (RFC 1071). Every other row (FIRST/LAST/ONLY, ACKs,
+    CNPs, rows whose hash slot another connection took) is rendered by :func:`_render_roce`.
+    Used when the ICRC of the MIDDLE frames is past the snap length (it covers the PSN) and
+    payloads are rendered; the bytes are those of :func:`_render_roce`."""
+    n, width = slots.shape
+    nics = topo.num_nics
+    if not payload or n < 256 or nics > (1 << 15):
+        return False
+    mid = _MIDDLE[F.opcode]
+    n_mid = int(np.count_nonzero(mid))
+    if n_mid < n // 2 or (F.frame_len[mid] - H.ICRC_LEN < F.caplen[mid]).any():
+        return False
+    # connection key, exact: (src NIC, dst NIC, destination QP, opcode) in 62 bits
+    bits = max(1, (nics - 1).bit_length())
+    key = F.src.astype(np.int64)
+    key <<= bits
+    key |= F.dst
+    key <<= 24
+    key |= _col(packets, "dest_qp").astype(np.int64) & 0xFFFFFF
+    key <<= 8
+    key |= F.opcode
+    # the rest of what a template fixes, as one word: UDP source port, DSCP, ECN, PadCnt, length
+    rest = _col(packets, "udp_sport").astype(np.int64) & 0xFFFF
+    rest |= (_col(packets, "dscp").astype(np.int64) & 0x3F) << 16
+    rest |= (_col(packets, "ecn").astype(np.int64) & 3) << 22
+    rest |= F.pad.astype(np.int64) << 24
+    rest |= F.frame_len.astype(np.int64) << 32
+    h = ((key.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - TEMPLATE_BITS)).astype(np.intp)
+    rep = np.full(TEMPLATE_SLOTS, -1, dtype=np.intp)
+    mid_rows = np.flatnonzero(mid)
+    rep[h[mid_rows]] = mid_rows                              # one MIDDLE row per slot
+    used = np.flatnonzero(rep >= 0)
+    fid = np.zeros(TEMPLATE_SLOTS, dtype=np.intp)
+    fid[used] = np.arange(len(used))
+    row_rep = rep[h]
+    ok = mid & (row_rep >= 0)
+    r = np.maximum(row_rep, 0)
+    ok &= (key[r] == key) & (rest[r] == rest)
+    # one _render_roce call for the templates (a representative row each) and the other rows
+    reps = rep[used]
+    other = np.flatnonzero(~ok)
+    rows = np.concatenate([reps, other])
+    sub = {k: np.asarray(v)[rows] for k, v in packets.items()}
+    Fo = _Frames(sub, topo, plan, 0)
+    Fo.caplen = F.caplen[rows]
+    block = np.empty((len(rows), width), dtype=np.uint8)
+    _render_roce(block, prefix, Fo, sub, topo, plan, crc=False)
+    T = block[:len(reps)]
+    row_t = fid[h]
+    void = np.dtype((np.void, width))
+    np.take(T.view(void).reshape(-1), row_t, out=slots.view(void).reshape(-1), mode="clip")
+    # per-row fields
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
+    ip = prefix + l2
+    bth = ip + H.IPV4.length + H.UDP.length
+    psn = _col(packets, "psn")
+    ident = psn.astype(np.uint16)
+    words = T[:, ip:ip + H.IPV4.length].astype(np.uint32)
+    wsum = ((words[:, 0::2] << np.uint32(8)) | words[:, 1::2]).sum(axis=1, dtype=np.uint32)
+    wsum -= (words[:, 4] << np.uint32(8)) | words[:, 5]         # identification
+    wsum -= (words[:, 10] << np.uint32(8)) | words[:, 11]       # checksum
+    c = wsum[row_t] + ident
+    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
+    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
+    slots[:, ip + 4:ip + 6].view(">u2")[:, 0] = ident
+    slots[:, ip + 10:ip + 12].view(">u2")[:, 0] = ~c.astype(np.uint16)
+    word = psn.astype(np.uint32) & np.uint32(0xFFFFFF)
+    word |= _col(packets, "ack_req", np.bool_).astype(np.uint32) << np.uint32(31)
+    slots[:, bth + 8:bth + 12].view(">u4")[:, 0] = word
+    if len(other):
+        slots[other] = block[len(reps):]
+    return True
 
 
 def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
