@@ -28,7 +28,10 @@ What goes on the wire (sources in brackets):
   words), GRH when routed (traffic class 0, flow label 0, hop limit 64, GIDs from the topology).
 
 A snap length keeps the first ``snaplen`` bytes of each frame (``caplen``); ``origlen`` stays the
-frame length. Bytes past a frame's ``caplen`` are not computed.
+frame length. Bytes past a frame's ``caplen`` are not computed. IPv4 RoCEv2 MIDDLE frames whose
+ICRC is not captured are copied from one rendered frame per connection and patched in the four
+fields that differ (:func:`_render_roce_templated`); a writer can send the payload from
+:data:`PAYLOAD_PATTERN` instead of having it rendered (:func:`payload_spans`).
 """
 
 from __future__ import annotations
