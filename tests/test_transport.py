@@ -964,9 +964,13 @@ def test_middle_frames_from_templates_equal_frames_rendered_field_by_field(monke
     monkeypatch.setattr(R, "_render_roce_templated", lambda *a: used.append(real(*a)) or used[-1])
     fast = render(p, topo, plan, snaplen=96)
     assert used and all(used)
+    cut = {snap: render(p, topo, plan, snaplen=snap) for snap in (1, 42, 57, 58)}   # headers cut
     monkeypatch.setattr(R, "_render_roce_templated", lambda *a: False)
     slow = render(p, topo, plan, snaplen=96)
     assert np.array_equal(fast[1], slow[1]) and np.array_equal(fast[0], slow[0])
+    for snap, got in cut.items():
+        want = render(p, topo, plan, snaplen=snap)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), snap
     buf, off = fast[0], fast[1]
     l2 = 18 if "vlan" in transport else 14
     ip = np.stack([buf[off[i] + l2: off[i] + l2 + 20] for i in range(len(off) - 1)]).astype(np.uint32)

@@ -183,6 +183,11 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     nics = topo.num_nics
     if not payload or n < 256 or nics > (1 << 15):
         return False
+    l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
+    ip = prefix + l2
+    bth = ip + H.IPV4.length + H.UDP.length
+    if width < bth + H.BTH.length:                          # headers cut by the snap length
+        return False
     mid = _MIDDLE[F.opcode]
     n_mid = int(np.count_nonzero(mid))
     if n_mid < n // 2 or (F.frame_len[mid] - H.ICRC_LEN < F.caplen[mid]).any():
@@ -227,9 +232,6 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     void = np.dtype((np.void, width))
     np.take(T.view(void).reshape(-1), row_t, out=slots.view(void).reshape(-1), mode="clip")
     # per-row fields
-    l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
-    ip = prefix + l2
-    bth = ip + H.IPV4.length + H.UDP.length
     psn = _col(packets, "psn")
     ident = psn.astype(np.uint16)
     words = T[:, ip:ip + H.IPV4.length].astype(np.uint32)
