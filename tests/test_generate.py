@@ -246,6 +246,22 @@ def test_window_keeps_only_packets_inside(tmp_path: Path, demo: Path):
     assert f"{payload / 1e6:,.2f} MB payload" in proc.stdout
 
 
+def test_window_summary_counts_the_same_collectives_with_or_without_parquet(tmp_path: Path):
+    """The summary's collectives line is the window's calls (those written to collectives.parquet),
+    also when no tables are written."""
+    base = ["generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "--window", "5ms:6ms"]
+    with_tables = run_cli(*base, "-o", tmp_path / "a.pcap")
+    without = run_cli(*base, "-o", tmp_path / "b.pcap", "--no-parquet")
+    assert with_tables.returncode == 0 and without.returncode == 0, with_tables.stderr + without.stderr
+    c = pq.read_table(tmp_path / "a.parquet" / "collectives.parquet")
+    assert c.num_rows == 32
+    for proc in (with_tables, without):
+        lines = proc.stdout.splitlines()
+        assert "collectives    32" in lines
+        assert "messages       1,936 (208 network, 1,728 NVLink)" in lines
+        assert "packets        11,632" in lines
+
+
 @pytest.fixture(scope="module")
 def whole_frames(demo: Path, tmp_path_factory) -> Path:
     """A small whole-frame capture: the first ~1,500 network packets of the demo iteration."""

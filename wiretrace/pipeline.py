@@ -513,12 +513,13 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                     staging.adopt(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
         if pkt_writer:
             pkt_writer.close()
+        if window is not None:
+            # a window keeps the calls whose messages overlap it, whether or not tables are written
+            coll = coll.filter(pc.is_in(coll.column("op_id"), pa.array(sorted(kept_ops), type=pa.int64())))
+            summary.collectives = coll.num_rows
         if pq_tmp:
             from .io.parquet import write_table
 
-            if window is not None:
-                coll = coll.filter(pc.is_in(coll.column("op_id"), pa.array(sorted(kept_ops), type=pa.int64())))
-                summary.collectives = coll.num_rows
             write_table(pq_tmp / "collectives.parquet", "collectives", coll)
             if plan.raw:
                 (pq_tmp / "plan.json").write_text(json.dumps(plan.raw, indent=2) + "\n")
