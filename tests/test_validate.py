@@ -479,6 +479,31 @@ def test_native_ib_records_cut_inside_the_lrh(tmp_path):
     assert rep.cut_before_bth == len(frames) and rep.roce_frames == 0 and rep.non_roce_frames == 0
 
 
+@pytest.mark.parametrize("keep", [8, 10, 12])   # padded to 8 bytes: at most 16 of the 20
+def test_native_ib_records_cut_after_the_lrh_are_not_clean(tmp_path, keep):
+    """An LRH (and a bit more) but no whole BTH: the LRH lengths are checked, the transport is
+    not, so the capture is "nothing checked" (exit 1), as a RoCEv2 capture cut before the BTH."""
+    frames = ib_frames()
+    path = erf_file(tmp_path / "lrh.erf", [f[:keep] for f in frames])
+    buf = bytearray(path.read_bytes())
+    pos = 0
+    for f in frames:
+        struct.pack_into(">H", buf, pos + 14, len(f))
+        pos += struct.unpack_from(">H", buf, pos + 10)[0]
+    path.write_bytes(bytes(buf))
+    rep = validate_capture(path)
+    assert rep.cut_before_bth == 4 and rep.roce_frames == 0 and rep.non_roce_frames == 0
+    assert rep.checked["length"] == 4 and rep.counts["length"] == 0
+    assert rep.nothing_checked and not rep.ok
+    (v,) = only(rep, "capture")
+    assert v.message == ("nothing checked: 4 RoCE/IB frame(s) cut by the snap length before the BTH "
+                         "(4 frame(s) in the capture)")
+    res = run_cli(path)
+    assert res.exit_code == 1 and "nothing checked" in res.output and "clean" not in res.output
+    doc = json.loads(run_cli(path, "--json").output)
+    assert doc["ok"] is False and doc["nothing_checked"] is True
+
+
 def test_json_says_when_the_violation_list_was_cut(tmp_path):
     frames = good_frames()
     frames = [fr[:-1] + bytes([fr[-1] ^ 0xFF]) for fr in frames]          # every ICRC wrong
@@ -712,6 +737,31 @@ def test_generated_capture_validates_and_parses_to_its_packets_table(demo_captur
     for name in ("ts_ns", "udp_sport", "dest_qp", "psn", "opcode", "ack_req", "payload_len", "pad",
                  "frame_len", "dscp", "ecn"):
         assert parsed[name].tolist() == table[name], name
+
+
+@pytest.mark.parametrize("transport,snaplen,frames", [
+    ({"kind": "ib"}, 10, 2096),          # the LRH and 2 bytes of the BTH
+    ({"ip_version": 6}, 20, 2072),       # Ethernet and part of the IPv6 header
+    ({}, 50, 2088),                      # Ethernet, IPv4 and UDP, 8 bytes of the BTH
+])
+def test_generated_captures_cut_before_the_bth_are_nothing_checked(tmp_path, transport, snaplen, frames):
+    plan = json.loads(SAMPLE_PLAN.read_text())
+    plan["transport"].update(transport)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = tmp_path / "cut.pcap"
+    generate("--plan", plan_path, "-o", out, "--snaplen", snaplen, "--window", "5.3ms:5.4ms",
+             "--no-parquet")
+    res = run_cli(out, "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.output)
+    assert doc["frames"] == doc["cut_before_bth"] == frames and doc["roce_frames"] == 0
+    assert doc["ok"] is False and doc["nothing_checked"] is True
+    assert doc["violations"] == [{"frame": 0, "qp": None, "check": "capture", "message":
+                                  f"nothing checked: {frames} RoCE/IB frame(s) cut by the snap length "
+                                  f"before the BTH ({frames} frame(s) in the capture)"}]
+    text = run_cli(out)
+    assert text.exit_code == 1 and "nothing checked" in text.output and "clean" not in text.output
 
 
 @pytest.mark.parametrize("transport,suffix", [

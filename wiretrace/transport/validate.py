@@ -177,8 +177,11 @@ class Report:
 
     @property
     def nothing_checked(self) -> bool:
-        """No frame-level check examined anything (no RoCE/IB frame, or all cut too short)."""
-        return not any(n for c, n in self.checked.items() if c != "capture")
+        """No RoCE/IB frame reached its BTH: there is none, or the snap length cut every one
+        before it. The headers such cut frames keep (an IPv4 header, UDP, an LRH) are still
+        checked as far as they go, but nothing of the transport is, so the capture is not clean
+        (whether the link layer is Ethernet, IPv4 or IPv6, or native IB)."""
+        return self.roce_frames == 0
 
     def add(self, frames, qps, check: str, messages) -> None:
         """Record violations of ``check`` for the given frames (arrays or lists, same length);
