@@ -659,15 +659,19 @@ class _Links:
             run = np.concatenate([np.maximum.accumulate(x) for x in np.split(v, heads[1:])])
         return c + run
 
-    def _schedule_whole(self, p: dict, max_passes: int = 8) -> bool:
+    def _schedule_whole(self, p: dict, max_passes: int = 8, served: bool = False) -> bool:
         """Fast path of :meth:`schedule`: place the whole chunk at once and raise the ready time
         of every answer that would leave before what it answers has arrived, until none does.
         Ready times only grow, so this reaches the same least solution as the windowed method
         whenever it settles within ``max_passes`` passes; returns False (links untouched) when it
-        does not."""
+        does not. ``served``: the rows are already in serving order (:func:`_by_ready`), so
+        grouping them by NIC is a stable radix sort of 16-bit NIC numbers."""
         n = len(p["ts_ns"])
         nic = p["src_nic"]
-        o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic), runs=False)
+        if served and len(self.busy) <= 1 << 16:
+            o = np.argsort(nic.astype(np.uint16), kind="stable")
+        else:
+            o = _lexsort((p["psn"], _KIND_RANK[p["_kind"]], p["_ots"], nic), runs=False)
         nic_s = nic[o]
         fl_s = p["frame_len"][o]
         dur_s = self.wire_ps(fl_s)
@@ -696,7 +700,7 @@ class _Links:
         p["ts_ns"] = ts
         return True
 
-    def schedule(self, p: dict) -> None:
+    def schedule(self, p: dict, served: bool = False) -> None:
         """Place the frames ``p`` (rows' ``_dep`` index ``p``) on their links, setting
         ``p["ts_ns"]`` to their start.
 
@@ -708,7 +712,7 @@ class _Links:
         n = len(p["ts_ns"])
         if not n:
             return
-        if self._schedule_whole(p):
+        if self._schedule_whole(p, served=served):
             return
         nic = p["src_nic"].astype(np.int64)
         ots = p["_ots"]
@@ -879,9 +883,10 @@ def _slice(cols: dict, lo: int, hi: int | None) -> dict:
 
 
 def _by_ready(pool: dict) -> dict:
-    """``pool`` sorted by the time each frame was first ready (``_ots``), ``_dep`` renumbered.
-    A frame answers one first ready earlier, so it comes after it."""
-    o = np.argsort(pool["_ots"], kind="stable")
+    """``pool`` sorted by the time each frame was first ready (``_ots``), ties by kind rank and
+    PSN (:data:`_KIND_RANK`, the order a NIC serves them in), ``_dep`` renumbered. A frame
+    answers one first ready earlier, so it comes after it."""
+    o = _lexsort((pool["psn"], _KIND_RANK[pool["_kind"]], pool["_ots"]))
     out = _take(pool, o)
     at = np.empty(len(o), dtype=np.int64)
     at[o] = np.arange(len(o))
@@ -895,7 +900,7 @@ def _place(links: _Links, pool: dict, k: int, extra: dict) -> tuple[dict, dict]:
     ``extra`` (answering none) on their links; the frames that stay and answer a placed frame
     get its arrival as their earliest time. Returns (placed frames, frames that stay)."""
     sub = _concat([_slice(pool, 0, k), extra])
-    links.schedule(sub)
+    links.schedule(sub, served=len(extra["ts_ns"]) == 0)
     stay = _slice(pool, k, None)
     dep = stay["_dep"]
     on_link = np.flatnonzero((dep >= 0) & (dep < k))
