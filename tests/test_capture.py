@@ -269,6 +269,9 @@ def test_truncated_last_record_is_reported(tmp_path, cut):
         assert tr is not None and tr.frame == 2 and tr.offset == 24 + 16 + 78
         assert tr.present == 16 + 74 - cut
         assert tr.needed == (16 + 74 if cut <= 74 else 16)
+        # the message counts frame bytes on both sides (the 16-byte record header in neither)
+        assert tr.frame_needed == 74 and tr.frame_present == 74 - cut
+        assert tr.describe() == f"record of frame 2 at byte 118 needs 74 frame bytes, only {74 - cut} present"
     with pytest.warns(TruncatedCaptureWarning, match="record of frame 2 at byte 118"):
         assert sum(len(b) for b in iter_frames(path)) == 1
     with pytest.raises(InputFormatError, match="cut.pcap: capture truncated"):
@@ -284,12 +287,25 @@ def test_truncated_pcapng_and_erf(tmp_path):
     with open_capture(path) as cap:
         assert sum(len(b) for b in cap.batches()) == 1
         assert cap.truncated.frame == 2
+        # the 74-byte frame sits after the block's 28 header bytes, padded to 76, then 4 trailer bytes
+        assert (cap.truncated.needed, cap.truncated.present) == (108, 101)
+        at = len(data) - len(ng_epb("<", 0, 2, f2))
+        assert cap.truncated.describe() == f"record of frame 2 at byte {at} needs 74 frame bytes, only 73 present"
     erf = erf_record(5, 21, IB_FRAME) * 2
     path = tmp_path / "cut.erf"
     path.write_bytes(erf[:-3])
     with open_capture(path) as cap:
         assert sum(len(b) for b in cap.batches()) == 1
         assert cap.truncated.needed == len(erf) // 2
+        # 16-byte ERF header, the 30-byte frame, 2 bytes of padding
+        assert (cap.truncated.frame_needed, cap.truncated.frame_present) == (30, 29)
+        assert cap.truncated.describe() == "record of frame 2 at byte 48 needs 30 frame bytes, only 29 present"
+    for cut, message in ((20, "needs 30 frame bytes, only 12 present"),
+                         (2, "holds its 30 frame bytes but ends 2 bytes short of the record's 48")):
+        path.write_bytes(erf[:-cut])
+        with open_capture(path) as cap:
+            assert sum(len(b) for b in cap.batches()) == 1
+            assert cap.truncated.describe() == f"record of frame 2 at byte 48 {message}"
 
 
 def test_not_a_capture(tmp_path):

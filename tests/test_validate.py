@@ -387,6 +387,27 @@ def test_truncated_file(tmp_path):
     assert res.exit_code == 1 and "capture truncated" in res.output
 
 
+@pytest.mark.parametrize("keep,message", [
+    (66, "needs 4170 frame bytes, only 50 present"),         # the record header and 50 bytes
+    (10, "needs 16 record bytes, only 10 present"),          # inside the record header
+])
+def test_truncated_record_counts_frame_bytes_on_both_sides(tmp_path, keep, message):
+    big = rocev2(0x06, 1, 0x99, data(4096), reth(8192))
+    assert len(big) == 4170
+    frames = good_frames()[:2] + [big]
+    path = write_pcap(tmp_path / "cut.pcap", frames)
+    whole = path.read_bytes()
+    start = len(whole) - 16 - len(big)
+    path.write_bytes(whole[:start + keep])
+    rep = validate_capture(path)
+    (v,) = [v for v in rep.violations if v.check == "capture"]
+    assert v.frame == 3
+    assert v.message == f"capture truncated: record of frame 3 at byte {start} {message}"
+    res = run_cli(path, "--json")
+    assert res.exit_code == 1
+    assert json.loads(res.output)["violations"][0]["message"] == v.message
+
+
 def test_unreadable_file_exit_2(tmp_path):
     bad = tmp_path / "notes.pcap"
     bad.write_text("not a capture\n")

@@ -126,17 +126,36 @@ class Truncation:
     needed : int
         Bytes the record declares (header included).
     present : int
-        Bytes of it present in the file.
+        Bytes of it present in the file (header included).
+    frame_needed : int
+        Bytes of the frame the record declares (its captured length, without the record header
+        and padding), or -1 when the record header itself is cut (or the record holds no frame).
+    frame_present : int
+        Bytes of that frame present in the file, or -1 with ``frame_needed``.
     """
 
     frame: int
     offset: int
     needed: int
     present: int
+    frame_needed: int = -1
+    frame_present: int = -1
+
+    def describe(self) -> str:
+        """``record of frame N at byte O needs X ..., only Y present``: both numbers count frame
+        bytes when the record header could be read, else record bytes (header included)."""
+        where = f"record of frame {self.frame} at byte {self.offset}"
+        if self.frame_needed >= 0 and self.frame_present >= self.frame_needed:
+            short = self.needed - self.present
+            return (f"{where} holds its {self.frame_needed} frame bytes but ends {short} "
+                    f"byte{'s' if short != 1 else ''} short of the record's {self.needed}")
+        if self.frame_needed >= 0:
+            return f"{where} needs {self.frame_needed} frame bytes, only {self.frame_present} present"
+        return f"{where} needs {self.needed} record bytes, only {self.present} present"
 
     def message(self, path: str | Path) -> str:
-        return (f"{path}: capture truncated: record of frame {self.frame} at byte {self.offset} "
-                f"needs {self.needed} bytes, only {self.present} present")
+        """The one-line warning or error for a capture at ``path``."""
+        return f"{path}: capture truncated: {self.describe()}"
 
 
 class TruncatedCaptureWarning(UserWarning):
@@ -301,6 +320,29 @@ def _gather_ranges(buf: bytes, starts: list[int], lengths: list[int]) -> np.ndar
 def _erf_timestamp_ns(ts: int) -> int:
     """ERF 32.32 fixed-point timestamp -> ns, rounded to nearest as Wireshark's wiretap does."""
     return (ts >> 32) * 1_000_000_000 + (((ts & 0xFFFFFFFF) * 1_000_000_000 + (1 << 31)) >> 32)
+
+
+def _erf_frame_span(rec, rlen: int) -> tuple[int, int] | None:
+    """``(start, end)`` of the frame in an ERF record of ``rlen`` bytes whose first bytes are
+    ``rec`` (its header at least; a cut record counts its frame as far as the header says), or
+    None for records without a frame (padding, provenance)."""
+    rtype = rec[8]
+    base_type = rtype & 0x7F
+    if base_type in (ERF_TYPE_PAD, ERF_TYPE_META):
+        return None
+    (wlen,) = struct.unpack_from(">H", rec, 14)
+    pos = ERF_HEADER_LEN
+    if rtype & 0x80:  # extension headers, 8 bytes each; bit 7 of the first byte: more follow
+        while pos + 8 <= len(rec):
+            more = rec[pos] & 0x80
+            pos += 8
+            if not more:
+                break
+    if base_type in _ERF_ETH_TYPES:
+        pos += 2  # offset and pad bytes before the Ethernet header
+    elif base_type not in _ERF_LINKTYPE:
+        return 0, rlen
+    return pos, max(pos, min(rlen, pos + wlen))
 
 
 def _unwrap_erf(rec, iface_base: int = 0):
@@ -526,9 +568,11 @@ class Capture:
                 starts: list[int] = []
                 first_cap = len(caps)
                 need = hlen
+                need_frame = -1
                 while len(caps) < max_frames and nbytes < max_bytes:
                     if pos + hlen > end:
                         need = hlen
+                        need_frame = -1
                         break
                     sec, frac, caplen, origlen = unpack(buf, pos)[:4]
                     if caplen > MAX_RECORD_CAPLEN:
@@ -538,6 +582,7 @@ class Capture:
                             f"{caplen} captured bytes (at most {MAX_RECORD_CAPLEN} expected)")
                     if pos + hlen + caplen > end:
                         need = hlen + caplen
+                        need_frame = caplen
                         break
                     secs.append(sec)
                     fracs.append(frac)
@@ -554,7 +599,7 @@ class Capture:
                 if not win.need(need):
                     if win.remaining:
                         self._pending = len(caps)
-                        self._cut(need)
+                        self._cut(need, need_frame, hlen)
                     done = True
                     break
             if not caps:
@@ -577,11 +622,16 @@ class Capture:
         except OSError:
             return 0
 
-    def _cut(self, needed: int) -> None:
-        """Record that the file ends inside the next record."""
+    def _cut(self, needed: int, frame_needed: int = -1, frame_start: int = 0) -> None:
+        """Record that the file ends inside the next record, which declares ``needed`` bytes;
+        ``frame_needed`` of them are the frame, from byte ``frame_start`` of the record (-1: the
+        record header is cut, or the record holds no frame)."""
+        present = self._win.remaining
+        frame_present = (min(max(present - frame_start, 0), frame_needed) if frame_needed >= 0
+                         else -1)
         self.truncated = Truncation(frame=self.frames + self._pending + 1,
-                                    offset=self._win.offset, needed=needed,
-                                    present=self._win.remaining)
+                                    offset=self._win.offset, needed=needed, present=present,
+                                    frame_needed=frame_needed, frame_present=frame_present)
 
     def _corrupt(self, what: str) -> InputFormatError:
         return InputFormatError(f"{self.path}: byte {self._win.offset}: {what}")
@@ -634,7 +684,7 @@ class Capture:
             raise self._corrupt(f"pcapng packet block of {blen} bytes "
                                 f"(at most {MAX_RECORD_CAPLEN} bytes of packet expected)")
         if not win.need(blen):
-            self._cut(blen)
+            self._cut(blen, *self._ng_cut_frame(btype, blen))
             return None
         p, buf = win.pos, win.buf
         if self._ng_u32.unpack_from(buf, p + blen - 4)[0] != blen:
@@ -668,6 +718,19 @@ class Capture:
             self._ng_interface(bytes(buf[p:p + blen]))
         win.pos = p + blen
         return result
+
+    def _ng_cut_frame(self, btype: int, blen: int) -> tuple[int, int]:
+        """``(frame bytes, offset of the frame in the block)`` of a packet block cut by the end
+        of the file; ``(-1, 0)`` when its header is cut too or it holds no frame."""
+        win = self._win
+        if btype in (_PCAPNG_EPB, _PCAPNG_PB) and win.remaining >= 28:
+            caplen = self._ng_u32.unpack_from(win.buf, win.pos + 20)[0]
+            return min(caplen, max(blen - 32, 0)), 28
+        if btype == _PCAPNG_SPB and win.remaining >= 12 and self._ng_scale:
+            (origlen,) = self._ng_u32.unpack_from(win.buf, win.pos + 8)
+            snap = self.interfaces[self._ng_first_iface].snaplen
+            return min(origlen, blen - 16, snap if snap else origlen), 12
+        return -1, 0
 
     def _ng_interface(self, block: bytes) -> None:
         """Declare the interface of an Interface Description Block (options read by dpkt)."""
@@ -786,7 +849,8 @@ class Capture:
             if rlen < ERF_HEADER_LEN:
                 raise self._corrupt(f"ERF record length {rlen} is shorter than its 16-byte header")
             if not win.need(rlen):
-                self._cut(rlen)
+                span = _erf_frame_span(memoryview(win.buf)[win.pos:], rlen)
+                self._cut(rlen, *((span[1] - span[0], span[0]) if span else (-1, 0)))
                 return
             rec = memoryview(win.buf)[win.pos:win.pos + rlen]
             win.pos += rlen

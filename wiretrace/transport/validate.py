@@ -856,8 +856,7 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
         if cap.truncated is not None:
             t = cap.truncated
             rep.add([t.frame], [None], "capture",
-                    [f"capture truncated: record of frame {t.frame} at byte {t.offset} needs "
-                     f"{t.needed} bytes, only {t.present} present"])
+                    [f"capture truncated: {t.describe()}"])
     rep.frames = stats.frames
     rep.roce_frames = stats.roce
     rep.non_roce_frames = stats.non_roce
