@@ -6,6 +6,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from conftest import SAMPLES, run_cli
 from wiretrace.cli import main
 
 COMMANDS = sorted(main.commands)
@@ -41,3 +42,66 @@ def test_version_and_group_help():
 def test_usage_errors_exit_2():
     r = CliRunner().invoke(main, ["generate", "-o", "x.pcap"])
     assert r.exit_code == 2 and "--plan" in r.output
+
+
+PLAN = str(SAMPLES / "gpt2-small-2x4.json")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["generate", "--plan", PLAN, "-o", "{out}", "--format", "pcapx"],
+     "error: invalid value for '--format': 'pcapx' is not one of 'pcap', 'pcapng', 'erf'."),
+    (["generate", "--plan", PLAN, "-o", "{out}", "--split", "foo"],
+     "error: invalid value for '--split': 'foo' is not 'nic'."),
+    (["generate", "--plan", PLAN, "-o", "{out}", "--snaplen", "abc"],
+     "error: invalid value for '--snaplen': 'abc' is not a valid integer range."),
+    (["generate", "--plan", PLAN, "-o", "{out}", "--snaplen", "-1"],
+     "error: invalid value for '--snaplen': -1 is not in the range x>=0."),
+    (["generate", "-o", "{out}"], "error: missing option '--plan'."),
+    (["generate", "--plan", PLAN, "-o", "{out}", "--forse"],
+     "error: no such option '--forse'. (Did you mean one of: '--force', '--format'?)"),
+    (["schedule", "--from", PLAN, "-o", "{out}", "--format", "csv"],
+     "error: invalid value for '--format': 'csv' is not one of 'auto', 'nccl-log', 'kineto', 'chakra', 'nccl-tests'."),
+    (["explain"], "error: missing option '--plan'."),
+    (["validate"], "error: missing argument 'CAPTURE'."),
+    (["validate", "x.pcap", "--max-violations", "-2"],
+     "error: invalid value for '--max-violations': -2 is not in the range x>=0."),
+    (["summarize", "x.pcap", "--by", "rack"],
+     "error: invalid value for '--by': 'rack' is not one of 'nic', 'node', 'parallelism', 'phase'."),
+    (["plot", "x.pcap"], "error: missing option '-o' / '--output'."),
+    (["replay", "x.pcap", "--speed", "fast"], "error: invalid value for '--speed': 'fast' is not a valid float."),
+    (["frobnicate"], "error: no such command 'frobnicate'."),
+    (["--bogus"], "error: no such option '--bogus'."),
+])
+def test_usage_errors_are_one_line_exit_2_and_write_nothing(tmp_path, args, line):
+    args = [a.replace("{out}", str(tmp_path / "out.pcap")) for a in args]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    assert r.stderr == line + "\n"
+    assert r.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_usage_error_of_the_installed_command_is_one_line(tmp_path):
+    """The console script (a real process, real stderr) prints click's errors as one line too."""
+    proc = run_cli("generate", "--plan", PLAN, "-o", tmp_path / "x.pcap", "--snaplen", "abc")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "error: invalid value for '--snaplen': 'abc' is not a valid integer range.\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_and_version_still_exit_0_and_bare_wiretrace_prints_help():
+    r = CliRunner().invoke(main, ["generate", "--help"], prog_name="wiretrace")
+    assert r.exit_code == 0 and r.stdout.startswith("Usage: wiretrace generate [OPTIONS]") and r.stderr == ""
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith("wiretrace, version")
+    r = CliRunner().invoke(main, [], prog_name="wiretrace")
+    assert r.exit_code == 2 and r.stderr.startswith("Usage: wiretrace [OPTIONS] COMMAND [ARGS]...")
+
+
+@pytest.mark.parametrize("fmt,magic", [("PCAPNG", "0a0d0d0a"), ("Pcap", "4d3cb2a1")])
+def test_format_is_case_insensitive(tmp_path, fmt, magic):
+    out = tmp_path / "x.cap"
+    r = CliRunner().invoke(main, ["generate", "--plan", PLAN, "-o", str(out), "--format", fmt,
+                                  "--window", "0:1ms", "--no-parquet", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:4].hex() == magic

@@ -44,13 +44,52 @@ def handle_errors(fn):
     return wrapper
 
 
+def usage_error_line(e: click.ClickException) -> str:
+    """A click error (bad option value, missing option, unknown command ...) as the one line
+    ``error: ...`` that every wiretrace error is: click's own message, which names the option
+    and what it expected, without the usage block and the ``--help`` hint."""
+    text = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    if text[:2].istitle():              # "Invalid value ..." -> "invalid value ...", not "IP ..."
+        text = text[0].lower() + text[1:]
+    return f"error: {text}"
+
+
+class WiretraceGroup(click.Group):
+    """The ``wiretrace`` group: click's usage errors become one line on stderr, exit status 2.
+
+    click prints a usage error as three lines (usage, a ``--help`` hint, the error); wiretrace
+    runs click with ``standalone_mode=False`` and prints the error itself. Everything else stays
+    as click does it in standalone mode: ``--help`` and ``--version`` exit 0, bare ``wiretrace``
+    prints the help (exit 2), Ctrl-C prints ``Aborted!`` (exit 1), and the SIGTERM handler's
+    ``SystemExit`` passes through.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Run the command line; see the class docstring for how errors are reported."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:   # bare `wiretrace`: the help
+            e.show()
+            sys.exit(e.exit_code)
+        except click.ClickException as e:          # UsageError, BadParameter, FileError ...
+            click.echo(usage_error_line(e), err=True)
+            sys.exit(2)
+        except (click.exceptions.Abort, KeyboardInterrupt, EOFError):
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 def check_output_free(path: Path, force: bool) -> None:
     """Raise WiretraceError when ``path`` exists and ``--force`` was not given."""
     if path.exists() and not force:
         raise WiretraceError(f"{path} exists; pass --force to overwrite it")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=WiretraceGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="wiretrace")
 def main() -> None:
     """What one iteration of distributed LLM training puts on the wire.
@@ -133,7 +172,7 @@ def _fmt_bytes(n: float) -> str:
               help="Directory for collectives/messages/packets.parquet [default: <output stem>.parquet "
                    "beside the capture].")
 @click.option("--no-parquet", is_flag=True, help="Write only the capture.")
-@click.option("--format", "fmt", type=click.Choice(["pcap", "pcapng", "erf"]),
+@click.option("--format", "fmt", type=click.Choice(["pcap", "pcapng", "erf"], case_sensitive=False),
               help="Capture format [default: from the output suffix, else pcap].")
 @click.option("--snaplen", type=click.IntRange(min=0), default=128, show_default=True,
               help="Bytes kept of each frame; 0 keeps whole frames (deterministic payload bytes). "
@@ -229,7 +268,7 @@ def _print_busbw_check(rows: list[dict]) -> None:
                    "or nccl-tests output (repeat --from, or list several after it).")
 @click.argument("more", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--format", "fmt", default="auto", show_default=True,
-              type=click.Choice(["auto", "nccl-log", "kineto", "chakra", "nccl-tests"]),
+              type=click.Choice(["auto", "nccl-log", "kineto", "chakra", "nccl-tests"], case_sensitive=False),
               help="Format of the --from files.")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Directory to write collectives.parquet (and messages.parquet with --plan).")
