@@ -384,6 +384,41 @@ def test_max_file_size_takes_plain_bytes(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap1"]
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--max-file-size", "100"],
+     "error: --max-file-size 100: expected at least 168 bytes for this pcap capture, its file header "
+     "(24 bytes) plus one record of the largest frame (16 + 128 bytes at --snaplen 128)"),
+    (["--max-file-size", "4KB", "--snaplen", "0"],
+     "error: --max-file-size 4,000: expected at least 4,214 bytes for this pcap capture, its file header "
+     "(24 bytes) plus one record of the largest frame (16 + 4,174 bytes)"),
+    (["--max-file-size", "900", "--format", "pcapng"],
+     "error: --max-file-size 900: expected at least 983 bytes for this pcapng capture, its file header "
+     "(820 bytes) plus one record of the largest frame (35 + 128 bytes at --snaplen 128)"),
+])
+def test_max_file_size_below_one_record_is_refused(tmp_path: Path, args, line):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "r.pcap", *args)
+    assert proc.returncode == 2
+    assert proc.stderr == line + "\n" and proc.stdout == ""
+    assert _files(tmp_path) == set()
+
+
+def test_max_file_size_at_the_minimum_keeps_every_file_within_it(tmp_path: Path, demo: Path):
+    """At exactly the minimum every file holds at least one frame and none is larger."""
+    from wiretrace import plan as plan_mod
+    from wiretrace.pipeline import largest_frame
+
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "r.pcap",
+                   "--max-file-size", "168", "--window", "5.3ms:5.4ms", "--no-parquet", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+    assert len(sizes) == 2088
+    assert sizes[0] > 24 and sizes[-1] == 168
+    # the largest frame the minimum is computed from bounds every frame of the whole iteration
+    _, _, pk = tables(demo)
+    plan = plan_mod.load(SAMPLES / "gpt2-small-2x4.json")
+    assert largest_frame(plan) == 4174 >= pc.max(pk.column("frame_len")).as_py() == 4170
+
+
 def test_sigterm_leaves_nothing_behind(tmp_path: Path):
     """A killed run (SIGTERM, as from a batch scheduler) removes its temporary outputs."""
     import signal

@@ -178,8 +178,12 @@ def _fmt_bytes(n: float) -> str:
               help="Bytes kept of each frame; 0 keeps whole frames (deterministic payload bytes). "
                    "The original frame length is always recorded.")
 @click.option("--split", type=click.Choice(["nic"]), help="One capture file per sending NIC.")
-@click.option("--max-file-size", type=str, help="Rotate the capture when a file reaches this size "
-              "(e.g. 100MB, like tcpdump -C).")
+@click.option("--max-file-size", type=str,
+              help="Rotate the capture before a file would pass this size, like tcpdump -C: out.pcap, "
+                   "out.pcap1, out.pcap2, ... Bytes, or KB/MB/GB (powers of 1000: 100MB = 100,000,000) "
+                   "or KiB/MiB/GiB (powers of 1024). At least the file header plus one record of the "
+                   "largest frame (pcap at the default snap length: 24 + 16 + 128 = 168 bytes); a "
+                   "smaller size is refused.")
 @click.option("--max-packets", type=click.IntRange(min=1), default=50_000_000, show_default=True,
               help="Refuse runs whose estimated packet count is larger (narrow the scope instead).")
 @click.option("--ranks", help="Keep traffic sent or received by these global ranks, e.g. 0-7,16.")

@@ -373,6 +373,44 @@ class _Staging:
         self.pairs = []
 
 
+def largest_frame(plan: Plan) -> int:
+    """Bytes of the longest frame the transport stage can write for ``plan``: the headers through
+    the BTH (and a GRH for native IB), the longest extension headers of an RC opcode or a CNP,
+    one path MTU of payload when the opcode carries payload, and the ICRC (and VCRC)."""
+    from .transport import headers as H, layout
+
+    ops = np.r_[np.arange(0x20), CNP_OPCODE]
+    body = H.EXT_LEN[ops].astype(np.int64) + np.where(H.HAS_PAYLOAD[ops], plan.transport.path_mtu, 0)
+    t = plan.transport
+    grh = H.GRH.length if t.kind == "ib" and (t.grh or plan.cluster.subnets > 1) else 0
+    return layout.base_header_len(plan) + grh + int(body.max()) + layout.trailer_len(plan)
+
+
+def min_file_size(plan: Plan, topo: topology.Topology, output: Path, *, snaplen: int,
+                  fmt: str | None = None, split: str | None = None) -> dict:
+    """The smallest ``--max-file-size`` that keeps every rotated file within the limit: the
+    capture's file header plus one record (record header, the largest frame cut to the snap
+    length, record trailer and padding). Below it a file could not hold a single frame.
+
+    Returns a dict with ``bytes`` (the minimum), ``format``, ``file_header``, ``record_header``
+    (header and trailer bytes of one record) and ``frame`` (captured bytes of the largest frame).
+    """
+    from .io import write as wio
+
+    name = wio.format_for(output, fmt)
+    f = wio.make_format(name, topo, plan, snaplen)
+    if split == "nic":
+        header = max(len(f.file_header(np.array([nic]))) for nic in range(topo.num_nics))
+    else:
+        header = len(f.file_header())
+    frame = largest_frame(plan)
+    if snaplen:
+        frame = min(frame, snaplen)
+    record = f.prefix + f.suffix
+    return {"bytes": header + record + frame, "format": name, "file_header": header,
+            "record_header": record, "frame": frame}
+
+
 def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                  write_parquet: bool = True, schedule: Path | None = None,
                  snaplen: int = 128, fmt: str | None = None, split: str | None = None,
@@ -408,6 +446,14 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     summary = Summary()
     topo = topology.build(plan)
     output = Path(output)
+    if max_file_size is not None:
+        least = min_file_size(plan, topo, output, snaplen=snaplen, fmt=fmt, split=split)
+        if max_file_size < least["bytes"]:
+            cut = f" at --snaplen {snaplen}" if snaplen and least["frame"] == snaplen else ""
+            raise WiretraceError(
+                f"--max-file-size {max_file_size:,}: expected at least {least['bytes']:,} bytes for this "
+                f"{least['format']} capture, its file header ({least['file_header']:,} bytes) plus one "
+                f"record of the largest frame ({least['record_header']} + {least['frame']:,} bytes{cut})")
     if parquet_dir is None:
         parquet_dir = output.with_name(output.stem + ".parquet")
     staging = _Staging(force)
