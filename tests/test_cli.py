@@ -105,3 +105,27 @@ def test_format_is_case_insensitive(tmp_path, fmt, magic):
                                   "--window", "0:1ms", "--no-parquet", "--quiet"])
     assert r.exit_code == 0, r.output
     assert out.read_bytes()[:4].hex() == magic
+
+
+def test_generate_help_states_outputs_and_units_and_they_hold(tmp_path):
+    """What `generate --help` says about output names, units, directories and formats is what
+    generate does."""
+    text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).stdout.split())
+    for claim in ("a directory with --split nic", "Missing parent directories are created",
+                  "named after it (node0-mlx5_1.pcap; with rotation node0-mlx5_1.pcap1, ...)",
+                  "like tcpdump -C: out.pcap, out.pcap1, out.pcap2",
+                  "KB/MB/GB (powers of 1000: 100MB = 100,000,000) or KiB/MiB/GiB (powers of 1024)",
+                  "default: from the suffix of -o, else pcap", "ERF type 21 records"):
+        assert claim in text, claim
+    from wiretrace.plan import parse_size
+
+    assert (parse_size("100MB"), parse_size("1KB"), parse_size("1KiB"), parse_size("2MiB")) == \
+        (100_000_000, 1000, 1024, 2 * 1024 * 1024)
+    out = tmp_path / "not" / "yet" / "nics"
+    r = CliRunner().invoke(main, ["generate", "--plan", PLAN, "-o", str(out), "--split", "nic",
+                                  "--max-file-size", "20KB", "--window", "5.3ms:5.4ms", "--no-parquet", "-q"])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names[:3] == ["node0-mlx5_0.pcap", "node0-mlx5_0.pcap1", "node0-mlx5_1.pcap"]
+    assert {n.split(".")[0] for n in names} == {f"node{n}-mlx5_{k}" for n in range(2) for k in range(4)}
+    assert max(p.stat().st_size for p in out.iterdir()) <= 20_000

@@ -1,8 +1,9 @@
 """The ``wiretrace`` command: thin wiring of the stages (click).
 
 Each subcommand parses its options, calls stage functions, reports progress on stderr and writes
-files atomically (temporary file + rename). Every :class:`~wiretrace.errors.WiretraceError` becomes
-one line ``error: ...`` on stderr and exit status 2.
+files atomically (temporary file + rename). Every :class:`~wiretrace.errors.WiretraceError`, and
+every usage error click finds (a bad or missing option), becomes one line ``error: ...`` on stderr
+and exit status 2.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def _fmt_bytes(n: float) -> str:
               help="Plan JSON (schemas/plan.schema.json). With --schedule only its cluster, "
                    "collectives and transport sections are used.")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
-              help="Capture to write; the suffix chooses the format (.pcap, .pcapng, .erf).")
+              help="Capture to write (a directory with --split nic); its suffix chooses the format "
+                   "(.pcap, .pcapng, .erf). Missing parent directories are created.")
 @click.option("--schedule", "schedule_path", type=click.Path(path_type=Path),
               help="Use a measured schedule instead of the plan's workload: a directory or "
                    "collectives.parquet from `wiretrace schedule`, or an NCCL log / profiler trace / "
@@ -173,12 +175,16 @@ def _fmt_bytes(n: float) -> str:
                    "beside the capture].")
 @click.option("--no-parquet", is_flag=True, help="Write only the capture.")
 @click.option("--format", "fmt", type=click.Choice(["pcap", "pcapng", "erf"], case_sensitive=False),
-              help="Capture format [default: from the output suffix, else pcap].")
+              help="Capture format, any case [default: from the suffix of -o, else pcap]. Native "
+                   "InfiniBand (transport kind ib) goes into ERF type 21 records, in an .erf file or "
+                   "inside pcap/pcapng (link type 197), as ibdump writes IB ports.")
 @click.option("--snaplen", type=click.IntRange(min=0), default=128, show_default=True,
               help="Bytes kept of each frame; 0 keeps whole frames (deterministic payload bytes). "
                    "The original frame length is always recorded.")
-@click.option("--split", type=click.Choice(["nic"]), help="One capture file per sending NIC.")
-@click.option("--max-file-size", type=str,
+@click.option("--split", type=click.Choice(["nic"]),
+              help="nic: -o is a directory that receives one capture per sending NIC, named after "
+                   "it (node0-mlx5_1.pcap; with rotation node0-mlx5_1.pcap1, ...).")
+@click.option("--max-file-size", type=str, metavar="SIZE",
               help="Rotate the capture before a file would pass this size, like tcpdump -C: out.pcap, "
                    "out.pcap1, out.pcap2, ... Bytes, or KB/MB/GB (powers of 1000: 100MB = 100,000,000) "
                    "or KiB/MiB/GiB (powers of 1024). At least the file header plus one record of the "
