@@ -557,6 +557,32 @@ def test_ack_window_coalesces_per_qp():
     assert p["msn"][acks].tolist() == [20] and p["ts_ns"][acks].tolist() == [100_000]
 
 
+def test_ack_window_one_ack_per_window_at_its_end_for_the_last_message_completed():
+    """transport.ack {"window": w} as schemas/plan.schema.json states it: time from the iteration
+    start cut into windows of w; per QP at most one ACK per window, sent at the window's end,
+    acknowledging the last message completed in it."""
+    import json
+
+    from conftest import ROOT
+
+    plan, topo = make_plan({"ack": {"window": "2us"}})
+    m = serial_messages([1000] * 10, gap=700)
+    p = all_packets(m, topo, plan)
+    acks = p["opcode"] == 0x11
+    t_end = m["t_end_ns"]
+    expected = {}                          # window -> (ACK time, MSN of the last message done in it)
+    for i in np.argsort(t_end, kind="stable"):
+        w = int(t_end[i]) // 2000
+        expected[w] = ((w + 1) * 2000, int(i) + 1)
+    assert len(expected) >= 3 and len(expected) < len(t_end)
+    got = sorted(zip(p["ts_ns"][acks].tolist(), p["msn"][acks].tolist()))
+    assert got == sorted(expected.values())
+    schema = json.loads((ROOT / "schemas" / "plan.schema.json").read_text())
+    text = schema["properties"]["transport"]["properties"]["ack"]["description"]
+    for phrase in ("at most one", "per QP", "at the window's end", "last message completed in it"):
+        assert phrase in text, phrase
+
+
 def test_ecn_marks_and_rate_limited_cnps():
     plan, topo = make_plan({"ecn_marking": {"fraction": 1.0, "cnp_interval": "4us"}})
     m = serial_messages([64 * 1024] * 12)
