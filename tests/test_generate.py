@@ -436,3 +436,29 @@ def test_sigterm_leaves_nothing_behind(tmp_path: Path):
     proc.wait(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert _files(tmp_path) == set()
+
+
+def test_ipv6_vlan_packets_do_not_depend_on_chunk_size(tmp_path: Path):
+    """The sample plan over IPv6 with a VLAN tag: an ACK that answers a data packet placed in an
+    earlier expansion step starts no earlier, in picoseconds, than one placed in the same step
+    (it once started up to 1 ns earlier there, shifting the frames behind it by 1 ns, so the
+    capture changed with the chunk size)."""
+    from wiretrace import plan as P, topology
+    from wiretrace.transport import packetize
+
+    plan_path = write_plan(tmp_path, lambda d: d["transport"].update(ip_version=6, vlan=3))
+    run_cli("generate", "--plan", plan_path, "-o", tmp_path / "x.pcapng", "-q", check=True)
+    m = pq.read_table(tmp_path / "x.parquet" / "messages.parquet").to_pydict()
+    m = {k: np.asarray(v, dtype=object if isinstance(v[0], str) else None) for k, v in m.items()}
+    plan = P.load(plan_path)
+    topo = topology.build(plan)
+    runs = []
+    for size in (1 << 20, 1 << 16, 5000):
+        chunks = list(packetize(m, topo, plan, chunk_packets=size))
+        runs.append({k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]})
+    assert len(runs[0]["ts_ns"]) == 254_672
+    for other in runs[1:]:
+        for k in runs[0]:
+            np.testing.assert_array_equal(other[k], runs[0][k], err_msg=k)
+    want = pq.read_table(tmp_path / "x.parquet" / "packets.parquet").column("ts_ns").to_numpy()
+    np.testing.assert_array_equal(runs[0]["ts_ns"], want)
