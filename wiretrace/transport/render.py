@@ -114,8 +114,9 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
     if n == 0:
         return slots, F.caplen, F.frame_len
     v4_roce = plan.transport.kind != "ib" and plan.transport.ip_version == 4
-    if v4_roce and _render_roce_templated(slots, prefix, F, packets, topo, plan, payload):
-        _icrc_v4_captured(slots, prefix, F, plan)
+    other = _render_roce_templated(slots, prefix, F, packets, topo, plan, payload) if v4_roce else None
+    if other is not None:
+        _icrc_v4_captured(slots, prefix, F, plan, among=other)
         return slots, F.caplen, F.frame_len
     if n <= BLOCK_ROWS:
         (_render_ib if plan.transport.kind == "ib" else _render_roce)(slots, prefix, F, packets, topo, plan,
@@ -166,9 +167,10 @@ TEMPLATE_SLOTS = 1 << TEMPLATE_BITS
 
 
 def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topology, plan: Plan,
-                           payload: bool) -> bool:
-    """Render a block of IPv4 RoCEv2 frames from per-connection templates; False (nothing written)
-    when the block does not suit them.
+                           payload: bool) -> np.ndarray | None:
+    """Render a block of IPv4 RoCEv2 frames from per-connection templates; returns the rows not
+    copied from a template (the only ones whose ICRC may be captured), or None (nothing
+    written) when the block does not suit them.
 
     Most frames of long messages are MIDDLE packets, and two MIDDLE frames of one connection
     (same NICs, destination QP, opcode, UDP port, DSCP/ECN, length) differ only in four fields:
@@ -182,16 +184,16 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     n, width = slots.shape
     nics = topo.num_nics
     if not payload or n < 256 or nics > (1 << 15):
-        return False
+        return None
     l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
     ip = prefix + l2
     bth = ip + H.IPV4.length + H.UDP.length
     if width < bth + H.BTH.length:                          # headers cut by the snap length
-        return False
+        return None
     mid = _MIDDLE[F.opcode]
     n_mid = int(np.count_nonzero(mid))
     if n_mid < n // 2 or (F.frame_len[mid] - H.ICRC_LEN < F.caplen[mid]).any():
-        return False
+        return None
     # connection key, exact: (src NIC, dst NIC, destination QP, opcode) in 62 bits
     bits = max(1, (nics - 1).bit_length())
     key = F.src.astype(np.int64)
@@ -248,20 +250,23 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     slots[:, bth + 8:bth + 12].view(">u4")[:, 0] = word
     if len(other):
         slots[other] = block[len(reps):]
-    return True
+    return other
 
 
-def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan) -> None:
-    """ICRC of the IPv4 RoCEv2 frames captured whole, from their bytes in the slots."""
+def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan, among: np.ndarray | None = None) -> None:
+    """ICRC of the IPv4 RoCEv2 frames captured whole, from their bytes in the slots; ``among``:
+    only these rows can be (the others are known to be cut before their ICRC)."""
     l2 = H.ETHERNET.length + (H.DOT1Q.length if layout.vlan_tag(plan) is not None else 0)
     hb = l2 + H.IPV4.length + H.UDP.length + H.BTH.length
-    limit = prefix + F.caplen
-    icrc_pos = prefix + F.frame_len - H.ICRC_LEN
-    rows = np.nonzero(icrc_pos < limit)[0]
-    if not len(rows):
+    cand = np.arange(F.n) if among is None else among
+    limit = prefix + F.caplen[cand]
+    icrc_pos = prefix + F.frame_len[cand] - H.ICRC_LEN
+    keep = np.nonzero(icrc_pos < limit)[0]
+    if not len(keep):
         return
+    rows = cand[keep]
     vals = _icrc_values(slots[:, prefix + l2:], rows, hb - l2, F, 4)
-    _scatter_trailer(slots, rows, icrc_pos[rows], C.icrc_bytes(vals), limit[rows])
+    _scatter_trailer(slots, rows, icrc_pos[keep], C.icrc_bytes(vals), limit[keep])
 
 
 def _icrc_values(ip_on: np.ndarray, rows: np.ndarray, headers: int, F: _Frames, ip_version: int) -> np.ndarray:
