@@ -129,3 +129,27 @@ def test_generate_help_states_outputs_and_units_and_they_hold(tmp_path):
     assert names[:3] == ["node0-mlx5_0.pcap", "node0-mlx5_0.pcap1", "node0-mlx5_1.pcap"]
     assert {n.split(".")[0] for n in names} == {f"node{n}-mlx5_{k}" for n in range(2) for k in range(4)}
     assert max(p.stat().st_size for p in out.iterdir()) <= 20_000
+
+
+def test_format_against_the_suffix_is_noted_and_the_validate_headline_is_one_line(tmp_path):
+    """``--format pcap -o x.pcapng`` writes pcap (magic a1b23c4d, nanosecond) and says so in one
+    note; validate's headline stays one line on a narrow terminal or a pipe (greppable)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "x.pcapng"
+    p = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", out, "--format", "pcap",
+                "--window", "5ms:6ms", "--no-parquet", "-q", check=True)
+    assert p.stderr.strip().splitlines() == [
+        "note: x.pcapng holds pcap records (--format), not what its .pcapng suffix suggests"]
+    assert out.read_bytes()[:4] == bytes.fromhex("4d3cb2a1")
+    p = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "y.pcapng",
+                "--window", "5ms:6ms", "--no-parquet", "-q", check=True)
+    assert p.stderr == ""
+    env = dict(os.environ, COLUMNS="60")
+    v = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(out)], capture_output=True,
+                       text=True, env=env)
+    assert v.returncode == 0
+    head = v.stdout.splitlines()[0]
+    assert head.startswith(f"{out} (pcap-ns): ") and head.endswith("QP streams: clean"), head

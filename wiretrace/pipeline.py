@@ -464,6 +464,10 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         tick("schedule", 0)
         measured = build_collectives(plan, schedule)
         summary.notes.extend(measured.notes)
+        suffix_fmt = {".pcap": "pcap", ".cap": "pcap", ".pcapng": "pcapng", ".erf": "erf"}.get(Path(output).suffix.lower())
+        if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
+            summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
+                                 f"{Path(output).suffix} suffix suggests")
         if selection.ranks is not None and max(selection.ranks) >= topo.world_size:
             raise WiretraceError(f"--ranks: rank {max(selection.ranks)} is outside the plan's "
                                  f"{topo.world_size} GPUs (0-{topo.world_size - 1})")

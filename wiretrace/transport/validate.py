@@ -886,7 +886,8 @@ def print_report(rep: Report, show: int = 50, console=None) -> None:
     cut = f"{rep.cut_before_bth} RoCE/IB cut before the BTH (not checked), " if rep.cut_before_bth else ""
     console.print(f"[bold]{rep.path}[/bold] ({rep.format}): {rep.frames} frames, "
                   f"{rep.roce_frames} RoCE/IB, {cut}{rep.non_roce_frames} other, "
-                  f"{rep.truncated} truncated by the snap length, {rep.streams} QP stream{'' if rep.streams == 1 else 's'}: {state}")
+                  f"{rep.truncated} truncated by the snap length, {rep.streams} QP stream{'' if rep.streams == 1 else 's'}: {state}",
+                  soft_wrap=True)
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("check")
     table.add_column("checked", justify="right")
