@@ -215,6 +215,14 @@ class _File:
         self.size += _write_rows(self.fd, slots, lengths, holes, rows)
         self.packets += len(lengths)
 
+    def write_iov(self, iov: np.ndarray, records: int) -> None:
+        """Append the byte ranges ``iov`` (a ``struct iovec`` array, see :func:`_writev_iov`)
+        holding ``records`` records."""
+        if self.fd < 0:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
+        self.size += _writev_iov(self.fd, iov)
+        self.packets += records
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -317,8 +325,12 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} file header")
     files: list[_File] = []
 
-    def put(slots: np.ndarray, reclen: np.ndarray, holes: Holes | None) -> None:
-        """Append one chunk's records (runs on the I/O thread, one chunk after another)."""
+    def put(slots: np.ndarray, reclen: np.ndarray, holes) -> None:
+        """Append one chunk's records (runs on the I/O thread, one chunk after another);
+        ``holes`` may be the records' iovecs already built (no rotation)."""
+        if isinstance(holes, np.ndarray):
+            files[-1].write_iov(holes, len(reclen))
+            return
 
         def rotate() -> _File:
             files.append(_File(_rotated_name(path, len(files)), header))
@@ -351,6 +363,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                 raise
             if flat is None or flat.size < slots.size:
                 flat = slots.reshape(-1)
+            if holes is not None and max_file_size is None:
+                # the iovecs are built here, so the I/O thread only calls writev
+                holes = _hole_iovecs(slots, np.arange(len(reclen)), reclen, holes)
             writes.append(writer.submit(write_and_release, slots, reclen, holes, flat))
 
     inflight: list[Future] = []
