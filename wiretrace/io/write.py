@@ -128,7 +128,9 @@ _PATTERN_ADDR = PAYLOAD_PATTERN.ctypes.data
 
 def _hole_iovecs(slots: np.ndarray, rows: np.ndarray, lengths: np.ndarray, holes: Holes) -> np.ndarray:
     """iovecs of records ``rows`` of ``slots``: each row's bytes before its hole, the payload
-    pattern, the row's bytes after the hole up to ``lengths`` (empty ranges dropped)."""
+    pattern, then the row's bytes after the hole, which :func:`_tails_to_row_ends` moved to the
+    end of the row, so that they and the next row's first bytes are one range (empty ranges
+    dropped, touching ranges merged: about two iovecs a record instead of three)."""
     width = slots.shape[1]
     at, ln = (np.asarray(h, dtype=np.int64) for h in holes)
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -136,14 +138,48 @@ def _hole_iovecs(slots: np.ndarray, rows: np.ndarray, lengths: np.ndarray, holes
     has = ln > 0
     iov = np.empty((len(rows), 3, 2), dtype=np.uintp)
     base = np.uintp(slots.ctypes.data)
+    tail = np.where(has, lengths - at - ln, 0)
     iov[:, 0, 0] = base + start.astype(np.uintp)
     iov[:, 0, 1] = np.where(has, at, lengths).astype(np.uintp)
     iov[:, 1, 0] = np.uintp(_PATTERN_ADDR)
     iov[:, 1, 1] = ln.astype(np.uintp)
-    iov[:, 2, 0] = base + (start + at + ln).astype(np.uintp)
-    iov[:, 2, 1] = np.where(has, lengths - at - ln, 0).astype(np.uintp)
+    iov[:, 2, 0] = base + (start + width - tail).astype(np.uintp)
+    iov[:, 2, 1] = tail.astype(np.uintp)
     iov = iov.reshape(-1, 2)
-    return iov[iov[:, 1] > 0]
+    iov = iov[iov[:, 1] > 0]
+    if len(iov) < 2:
+        return iov
+    touch = iov[:-1, 0] + iov[:-1, 1] == iov[1:, 0]
+    if not touch.any():
+        return iov
+    first = np.flatnonzero(np.r_[True, ~touch])
+    out = iov[first]
+    out[:, 1] = np.add.reduceat(iov[:, 1], first)
+    return out
+
+
+def _tails_to_row_ends(slots: np.ndarray, lengths: np.ndarray, holes: Holes) -> None:
+    """Move the bytes after each row's payload hole (pad, ICRC/VCRC, record trailer: at most a
+    few bytes) to the end of the row, into space the record does not use, so that they run
+    on into the next row (see :func:`_hole_iovecs`)."""
+    n, width = slots.shape
+    at, ln = (np.asarray(h, dtype=np.int64) for h in holes)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.flatnonzero((ln > 0) & (lengths < width))
+    if not len(rows):
+        return
+    src_at = at[rows] + ln[rows]
+    k = lengths[rows] - src_at                     # tail bytes
+    flat = slots.reshape(-1)
+    base = rows * width
+    src = base + src_at
+    dst = base + width - k
+    moved = []
+    for j in range(int(k.max()) if len(k) else 0):     # gather every byte before writing any
+        sel = np.flatnonzero(j < k)
+        moved.append((sel, flat[src[sel] + j]))
+    for j, (sel, b) in enumerate(moved):
+        flat[dst[sel] + j] = b
 
 
 def _write_rows(fd: int, slots: np.ndarray, lengths: np.ndarray, holes: Holes | None = None,
@@ -254,6 +290,8 @@ def _records(fmt: Format, chunk: dict, buf: np.ndarray | None):
     slots, caplen, origlen = render_slots(chunk, fmt.topo, fmt.plan, fmt.snaplen, prefix=fmt.prefix,
                                           out=buf, suffix=fmt.suffix, payload=holes is None)
     reclen = fmt.finish_records(slots, chunk, caplen, origlen)
+    if holes is not None:
+        _tails_to_row_ends(slots, reclen, holes)
     return slots, reclen, holes
 
 
