@@ -354,3 +354,22 @@ def _whole(tmp_path, p, topo, plan):
     path = tmp_path / "all.pcapng"
     write_capture(path, [p], topo, plan, snaplen=0)
     return path
+
+
+def test_payload_by_reference_needs_about_two_iovecs_a_record(roce, monkeypatch):
+    """Whole frames: a record's headers, the payload pattern, then its trailer run on into the
+    next record's headers as one range: 2 iovecs a record with payload, 1 more for each record
+    without, and they hold exactly the records' bytes."""
+    import wiretrace.io.write as W
+
+    plan, topo, p = roce
+    monkeypatch.setattr(W, "BY_REFERENCE_BYTES", 0)
+    fmt = W.make_format("pcap", topo, plan, 0)
+    slots, reclen, holes = W._records(fmt, p, None)
+    assert holes is not None
+    n = len(reclen)
+    with_payload = int((holes[1] > 0).sum())
+    iov = W._hole_iovecs(slots, np.arange(n), reclen, holes)
+    assert int(iov[:, 1].sum()) == int(reclen.sum())
+    assert len(iov) <= 2 * with_payload + 2 * (n - with_payload) + 1
+    assert len(iov) < 3 * with_payload
