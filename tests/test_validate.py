@@ -806,3 +806,21 @@ def test_generated_whole_frames_validate(tmp_path, demo_capture, transport, suff
     assert rep.ok, rep.as_dict()
     assert rep.frames >= 1000 and rep.checked["icrc"] == rep.frames and rep.truncated == 0
     assert rep.checked["vcrc"] == (rep.frames if transport.get("kind") == "ib" else 0)
+
+
+@pytest.mark.parametrize("snaplen", [54, 58, 62])
+def test_read_requests_cut_before_their_dma_length_leave_the_next_psn_unchecked(tmp_path, snaplen):
+    """A READ request consumes one PSN per response, known only from its RETH DMA length: cut
+    before it, the next request on the stream is not checked (no false PSN gap), and a real gap
+    after a whole READ request is still found (test_psn_gap_after_read_request)."""
+    plan = json.loads(SAMPLE_PLAN.read_text())
+    plan["transport"].update(verb="read")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = tmp_path / "cut.pcap"
+    generate("--plan", plan_path, "-o", out, "--snaplen", snaplen, "--window", "5ms:6ms", "--no-parquet")
+    res = run_cli(out, "--json")
+    doc = json.loads(res.output)
+    assert res.exit_code == 0, doc["violations"][:3]
+    assert doc["ok"] is True and doc["roce_frames"] == doc["frames"] == 12728
+    assert doc["counts"]["psn"] == 0

@@ -555,6 +555,11 @@ class _StreamChecker:
                 consumed_hi[rd] = np.maximum(1, -(-dma[rd] // 256))
         nxt = (psn + consumed_lo) % PSN_MOD
         nxt_hi = (psn + consumed_hi) % PSN_MOD
+        # a READ request cut before its DMA length: how many PSNs it consumed is unknown, so the
+        # request after it on the stream is not checked
+        unknown = (fam == FAM_READ_REQ) & (dma < 0)
+        nxt[unknown] = -1
+        nxt_hi[unknown] = -1
         exp_lo = prev(nxt, "next_psn")
         exp_hi = prev(nxt_hi, "next_psn_hi")
         req = ~resp
