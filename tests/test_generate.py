@@ -462,3 +462,17 @@ def test_ipv6_vlan_packets_do_not_depend_on_chunk_size(tmp_path: Path):
             np.testing.assert_array_equal(other[k], runs[0][k], err_msg=k)
     want = pq.read_table(tmp_path / "x.parquet" / "packets.parquet").column("ts_ns").to_numpy()
     np.testing.assert_array_equal(runs[0]["ts_ns"], want)
+
+
+def test_force_replaces_the_whole_rotated_set(tmp_path: Path):
+    """A second run with --force and fewer rotated files leaves only its own files; a file that
+    does not continue the numbering is not touched."""
+    base = ["generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "r.pcap", "--snaplen", "0",
+            "--window", "5ms:6ms", "--no-parquet", "-q"]
+    run_cli(*base, "--max-file-size", "2MB", check=True)
+    assert len(list(tmp_path.iterdir())) == 24
+    (tmp_path / "r.pcap99").write_bytes(b"keep")
+    run_cli(*base, "--max-file-size", "20MB", "--force", check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap1", "r.pcap2", "r.pcap99"]
+    run_cli(*base, "--force", check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap99"]

@@ -327,6 +327,7 @@ class _Staging:
         self.force = force
         self.pairs: list[tuple[Path, Path]] = []
         self.committed: list[tuple[Path, Path]] = []
+        self.stale: list[Path] = []
 
     def claim(self, final: Path, is_dir: bool = False) -> Path:
         final = Path(final)
@@ -354,6 +355,10 @@ class _Staging:
             raise WiretraceError(f"{final} exists; pass --force to overwrite it")
         self.pairs.append((tmp, final))
 
+    def remove_on_commit(self, path: Path) -> None:
+        """Delete ``path`` (a file an earlier run left, which this run replaces) when committing."""
+        self.stale.append(Path(path))
+
     def commit(self) -> None:
         self.committed = list(self.pairs)
         for tmp, final in self.pairs:
@@ -362,7 +367,9 @@ class _Staging:
             elif final.exists():
                 final.unlink()
             os.replace(tmp, final)
-        self.pairs = []
+        for path in self.stale:
+            path.unlink(missing_ok=True)
+        self.pairs, self.stale = [], []
 
     def abort(self) -> None:
         for tmp, _ in self.pairs:
@@ -561,6 +568,12 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             for f in map(Path, stats.get("files", [])):
                 if f != cap_tmp and f.name.startswith(cap_tmp.name):
                     staging.adopt(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
+            # with --force, rotated files of an earlier run past the last one written go too, so
+            # the set on disk is this run's
+            k = max(1, len(stats.get("files", [])))
+            while force and output.with_name(f"{output.name}{k}").is_file():
+                staging.remove_on_commit(output.with_name(f"{output.name}{k}"))
+                k += 1
         if pkt_writer:
             pkt_writer.close()
         if window is not None:
