@@ -419,8 +419,11 @@ def test_max_file_size_at_the_minimum_keeps_every_file_within_it(tmp_path: Path,
     assert largest_frame(plan) == 4174 >= pc.max(pk.column("frame_len")).as_py() == 4170
 
 
-def test_sigterm_leaves_nothing_behind(tmp_path: Path):
-    """A killed run (SIGTERM, as from a batch scheduler) removes its temporary outputs."""
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGTERM", "SIGTERM"), ("SIGINT",)])
+def test_signals_leave_nothing_behind(tmp_path: Path, signals):
+    """A killed run (SIGTERM, as from a batch scheduler; twice, as `timeout` sends it to the
+    process and its group; Ctrl-C) removes its temporary outputs, says so in one line after
+    doing it, and exits 128 + the signal."""
     import signal
     import sys
     import time
@@ -428,13 +431,18 @@ def test_sigterm_leaves_nothing_behind(tmp_path: Path):
     proc = subprocess.Popen([sys.executable, "-m", "wiretrace.cli", "generate", "--plan",
                              SAMPLES / "llama3-8b-4x8.json", "-o", tmp_path / "big.pcap",
                              "--parallelism", "dp", "--snaplen", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.stat().st_size > 10_000_000 for p in tmp_path.rglob("*") if p.is_file()):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
+    for name in signals:
+        proc.send_signal(getattr(signal, name))
+        time.sleep(0.002)
+    _, err = proc.communicate(timeout=60)
+    sig = getattr(signal, signals[0])
+    assert proc.returncode == 128 + sig
+    what = "interrupted" if signals[0] == "SIGINT" else "terminated by signal 15"
+    assert err.splitlines() == [f"wiretrace: {what}; temporary outputs removed"], err
     assert _files(tmp_path) == set()
 
 

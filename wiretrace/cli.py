@@ -61,8 +61,9 @@ class WiretraceGroup(click.Group):
     click prints a usage error as three lines (usage, a ``--help`` hint, the error); wiretrace
     runs click with ``standalone_mode=False`` and prints the error itself. Everything else stays
     as click does it in standalone mode: ``--help`` and ``--version`` exit 0, bare ``wiretrace``
-    prints the help (exit 2), Ctrl-C prints ``Aborted!`` (exit 1), and the SIGTERM handler's
-    ``SystemExit`` passes through.
+    prints the help (exit 2). SIGTERM and Ctrl-C unwind through the cleanup and then print one
+    line ``wiretrace: terminated by signal 15; temporary outputs removed`` (``interrupted`` for
+    Ctrl-C), exit 128 + signal (143, 130).
     """
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
@@ -77,9 +78,13 @@ class WiretraceGroup(click.Group):
         except click.ClickException as e:          # UsageError, BadParameter, FileError ...
             click.echo(usage_error_line(e), err=True)
             sys.exit(2)
+        except Terminated as e:                   # cleanup has run on the way out
+            what = "interrupted" if e.signum == signal.SIGINT else f"terminated by signal {e.signum}"
+            click.echo(f"wiretrace: {what}; temporary outputs removed", err=True)
+            sys.exit(e.code)
         except (click.exceptions.Abort, KeyboardInterrupt, EOFError):
-            click.echo("Aborted!", err=True)
-            sys.exit(1)
+            click.echo("wiretrace: interrupted; temporary outputs removed", err=True)
+            sys.exit(128 + signal.SIGINT)
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -100,16 +105,28 @@ def main() -> None:
     renders those as RoCEv2 / InfiniBand packets in pcap, pcapng or ERF captures plus Parquet
     tables. Start with `wiretrace generate --plan plan.json -o iter.pcap`.
     """
-    # SIGTERM (kill, a batch scheduler's time limit) unwinds like Ctrl-C, so that temporary
-    # outputs are removed and nothing partial is left behind; the exit status is 143.
+    # SIGTERM (kill, a batch scheduler's time limit) and Ctrl-C unwind, so that temporary
+    # outputs are removed and nothing partial is left behind; the exit status is 128 + signal.
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+
+
+class Terminated(SystemExit):
+    """Raised by the SIGTERM/SIGINT handler; its ``code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def _terminate(signum, frame):
     """Unwind (temporary outputs are removed on the way) and exit 128 + signal, as a shell
-    reports a process killed by that signal."""
-    click.echo(f"wiretrace: terminated by signal {signum}; temporary outputs removed", err=True)
-    raise SystemExit(128 + signum)
+    reports a process killed by that signal. Further SIGTERM/SIGINT are ignored from here on:
+    ``timeout`` and process-group kills deliver the signal twice, and a second unwinding would
+    cut the cleanup of the first short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Terminated(signum)
 
 
 # ---------------------------------------------------------------------------------------------
