@@ -824,3 +824,22 @@ def test_read_requests_cut_before_their_dma_length_leave_the_next_psn_unchecked(
     assert res.exit_code == 0, doc["violations"][:3]
     assert doc["ok"] is True and doc["roce_frames"] == doc["frames"] == 12728
     assert doc["counts"]["psn"] == 0
+
+
+@pytest.mark.parametrize("snaplen,suffix", [(1, "pcap"), (13, "pcapng"), (5, "erf")])
+def test_frames_cut_inside_the_link_header_are_counted_as_cut_not_other(tmp_path, snaplen, suffix):
+    """Frames cut inside their Ethernet header cannot be told apart: they are truncated, not
+    "other", and the capture is "nothing checked" saying why (native IB records are known to
+    be IB, see test_native_ib_records_cut_inside_the_lrh)."""
+    plan_path = SAMPLE_PLAN
+    out = tmp_path / f"cut.{suffix}"
+    generate("--plan", plan_path, "-o", out, "--snaplen", snaplen, "--window", "5ms:6ms", "--no-parquet")
+    res = run_cli(out, "--json")
+    assert res.exit_code == 1
+    doc = json.loads(res.output)
+    assert doc["frames"] == doc["truncated"] == doc["cut_before_link_header"] == 11632
+    assert doc["non_roce_frames"] == doc["roce_frames"] == doc["cut_before_bth"] == 0
+    assert doc["nothing_checked"] is True
+    assert doc["violations"][0]["message"] == (
+        "nothing checked: 11632 frame(s) cut by the snap length inside their link-layer header (cannot "
+        "tell whether they are RoCEv2 / InfiniBand) (11632 frame(s) in the capture)")

@@ -104,11 +104,19 @@ PACKETS_COLUMNS = ("ts_ns", "udp_sport", "dest_qp", "psn", "opcode", "ack_req", 
 """Columns shared with the packets table (schemas/packets.schema.json)."""
 
 
+LINK_HEADER_LEN = {LINKTYPE_ETHERNET: 14, LINKTYPE_LINUX_SLL: 16, LINKTYPE_LINUX_SLL2: 20}
+"""Bytes a frame of each link type needs before it can be told apart (Ethernet header, Linux
+cooked header); raw IP link types need one. An IB record is IB whatever is left of it (its
+frames cut inside the LRH count as cut before the BTH)."""
+
+
 class ParseStats:
     """Counters over everything parsed: ``frames``, ``roce`` (RoCEv2 or IB transport frames),
-    ``non_roce`` (skipped), ``truncated`` (RoCE frames with caplen < origlen), ``cut_roce``
-    (frames the snap length cut before the end of their BTH whose captured headers are those of
-    a RoCE or IB frame: counted neither as RoCE nor as other traffic)."""
+    ``non_roce`` (skipped), ``truncated`` (RoCE frames, or frames that may be, with caplen <
+    origlen), ``cut_roce`` (frames the snap length cut before the end of their BTH whose captured
+    headers are those of a RoCE or IB frame), ``cut_unknown`` (frames cut inside their link-layer
+    header, so nobody can tell what they carry); the two cut counts are neither RoCE nor other
+    traffic."""
 
     def __init__(self):
         self.frames = 0
@@ -116,20 +124,33 @@ class ParseStats:
         self.non_roce = 0
         self.truncated = 0
         self.cut_roce = 0
+        self.cut_unknown = 0
 
-    def add(self, n_frames: int, cols: dict, cut_roce: int = 0) -> None:
+    def add(self, n_frames: int, cols: dict, cut_roce: int = 0, batch: FrameBatch | None = None) -> None:
         """Count a batch of ``n_frames`` frames, ``cols`` its parsed rows, ``cut_roce`` frames
-        of it cut before the BTH (:func:`cut_before_bth`)."""
+        of it cut before the BTH (:func:`cut_before_bth`); ``batch`` (the frames themselves)
+        lets frames cut inside their link-layer header be counted apart."""
         no_bth = int(np.count_nonzero(~cols["has_bth"]))     # parsed up to the BTH, cut there
+        unknown = 0
+        if batch is not None and n_frames:
+            need = np.zeros(len(batch.caplen), dtype=np.int64)
+            lt = batch.linktype
+            for t, k in LINK_HEADER_LEN.items():
+                need[lt == t] = k
+            need[np.isin(lt, (*_LINKTYPE_RAW_ALIASES, LINKTYPE_IPV4, LINKTYPE_IPV6))] = 1
+            cap = batch.caplen.astype(np.int64)
+            unknown = int(np.count_nonzero((cap < need) & (cap < batch.origlen)))
         self.frames += n_frames
         self.roce += len(cols["row"]) - no_bth
         self.cut_roce += cut_roce + no_bth
-        self.non_roce += n_frames - len(cols["row"]) - cut_roce
-        self.truncated += int(np.count_nonzero(cols["truncated"])) + cut_roce
+        self.cut_unknown += unknown
+        self.non_roce += n_frames - len(cols["row"]) - cut_roce - unknown
+        self.truncated += int(np.count_nonzero(cols["truncated"])) + cut_roce + unknown
 
     def as_dict(self) -> dict:
         return {"frames": self.frames, "roce_frames": self.roce, "non_roce_frames": self.non_roce,
-                "truncated": self.truncated, "cut_before_bth": self.cut_roce}
+                "truncated": self.truncated, "cut_before_bth": self.cut_roce,
+                "cut_before_link_header": self.cut_unknown}
 
 
 def _head_window(batch: FrameBatch, width: int = HEAD_WINDOW) -> np.ndarray:

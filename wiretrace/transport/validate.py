@@ -145,8 +145,10 @@ class Report:
     frames, roce_frames, non_roce_frames : frame counts.
     cut_before_bth : frames the snap length cut before their BTH whose captured headers say
         RoCEv2 / IB (UDP port 4791 as far as captured, or an LRH): not checked, not "other".
-    truncated : RoCE frames captured shorter than their wire length (snap length), including
-        ``cut_before_bth``.
+    cut_before_link_header : frames the snap length cut inside their link-layer header
+        (Ethernet, cooked, LRH): what they carry cannot be told; not checked, not "other".
+    truncated : RoCE frames (or frames that may be) captured shorter than their wire length
+        (snap length), including ``cut_before_bth`` and ``cut_before_link_header``.
     counts : violations per check (every check present, 0 when clean).
     checked : frames (or messages) each check examined.
     violations : the findings in frame order, at most ``max_violations`` of them (``counts``
@@ -160,6 +162,7 @@ class Report:
     roce_frames: int = 0
     non_roce_frames: int = 0
     cut_before_bth: int = 0
+    cut_before_link_header: int = 0
     truncated: int = 0
     streams: int = 0
     counts: dict = field(default_factory=lambda: {c: 0 for c in CHECKS})
@@ -202,6 +205,7 @@ class Report:
             "roce_frames": self.roce_frames,
             "non_roce_frames": self.non_roce_frames,
             "cut_before_bth": self.cut_before_bth,
+            "cut_before_link_header": self.cut_before_link_header,
             "truncated": self.truncated,
             "streams": self.streams,
             "ok": self.ok,
@@ -848,7 +852,7 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
         for batch in cap.batches(max_frames=batch_frames):
             cut: list[int] = []
             cols = parse_frames(batch, cut)
-            stats.add(len(batch), cols, cut[0])
+            stats.add(len(batch), cols, cut[0], batch)
             if len(cols["row"]):
                 _check_ipv4(batch, cols, rep)
                 _check_crcs(batch, cols, rep)
@@ -866,11 +870,17 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
     rep.roce_frames = stats.roce
     rep.non_roce_frames = stats.non_roce
     rep.cut_before_bth = stats.cut_roce
+    rep.cut_before_link_header = stats.cut_unknown
     rep.truncated = stats.truncated
     if rep.nothing_checked:
         # a capture in which nothing could be checked is not clean
-        why = (f"{rep.cut_before_bth} RoCE/IB frame(s) cut by the snap length before the BTH"
-               if rep.cut_before_bth else "no RoCEv2 / InfiniBand frame in it")
+        whys = []
+        if rep.cut_before_bth:
+            whys.append(f"{rep.cut_before_bth} RoCE/IB frame(s) cut by the snap length before the BTH")
+        if rep.cut_before_link_header:
+            whys.append(f"{rep.cut_before_link_header} frame(s) cut by the snap length inside their "
+                        f"link-layer header (cannot tell whether they are RoCEv2 / InfiniBand)")
+        why = "; ".join(whys) or "no RoCEv2 / InfiniBand frame in it"
         rep.add([0], [None], "capture", [f"nothing checked: {why} ({rep.frames} frame(s) in the capture)"])
     return rep
 
@@ -889,6 +899,8 @@ def print_report(rep: Report, show: int = 50, console=None) -> None:
     else:
         state = "[green]clean[/green]" if rep.ok else f"[red]{rep.total_violations} violation(s)[/red]"
     cut = f"{rep.cut_before_bth} RoCE/IB cut before the BTH (not checked), " if rep.cut_before_bth else ""
+    if rep.cut_before_link_header:
+        cut += f"{rep.cut_before_link_header} cut inside the link-layer header (not checked), "
     console.print(f"[bold]{rep.path}[/bold] ({rep.format}): {rep.frames} frames, "
                   f"{rep.roce_frames} RoCE/IB, {cut}{rep.non_roce_frames} other, "
                   f"{rep.truncated} truncated by the snap length, {rep.streams} QP stream{'' if rep.streams == 1 else 's'}: {state}",
