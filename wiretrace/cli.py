@@ -223,8 +223,9 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     \b
     Example:
       wiretrace generate --plan samples/plans/gpt2-small-2x4.json -o out/iter.pcap
-    Open out/iter.pcap in Wireshark; RoCEv2 decodes on UDP port 4791 (filters such as
-    infiniband.bth.opcode == 0x0b, infiniband.bth.destqp, infiniband.reth.dmalen).
+    Open out/iter.pcap in Wireshark; RoCEv2 decodes on UDP port 4791. Filters such as
+    infiniband.bth.opcode == 9 (the last packet of each data message), infiniband.bth.destqp,
+    infiniband.reth.dmalen.
     """
     from . import pipeline
     from .plan import load, parse_size
