@@ -415,13 +415,16 @@ def validate(capture, as_json, max_violations, show, quiet):
     Per frame: IPv4 header checksum, ICRC (and VCRC for native IB), lengths and pad count. Per
     QP: PSN continuity (mod 2^24; READ requests consume one PSN per response), opcode sequences
     (FIRST, MIDDLE..., LAST or ONLY), RETH DMA length against the bytes that follow, ACK/MSN.
-    Frames cut by the snap length are checked as far as their bytes go.
+    Frames cut by the snap length are checked as far as their bytes go (a READ request cut
+    before its DMA length leaves the next PSN of its QP unchecked).
 
     A capture in which nothing could be checked (no RoCE/IB frame, or every one cut by the snap
-    length before its BTH) is not clean: it gets a "nothing checked" violation.
+    length before its BTH or inside its link-layer header) is not clean: it gets a "nothing
+    checked" violation.
 
-    Exit status: 0 clean, 1 violations found (or nothing checked), 2 the file cannot be read.
-    A closed output pipe (``validate f | head``) ends quietly with the same status.
+    Exit status: 0 clean, 1 violations found (or nothing checked; a file whose last record is
+    cut short is read up to it and reported as a "capture truncated" violation), 2 the file
+    cannot be read. A closed output pipe (validate f | head) ends quietly with the same status.
     """
     import json
 
