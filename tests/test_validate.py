@@ -843,3 +843,19 @@ def test_frames_cut_inside_the_link_header_are_counted_as_cut_not_other(tmp_path
     assert doc["violations"][0]["message"] == (
         "nothing checked: 11632 frame(s) cut by the snap length inside their link-layer header (cannot "
         "tell whether they are RoCEv2 / InfiniBand) (11632 frame(s) in the capture)")
+
+
+def test_an_empty_erf_file_is_an_empty_capture_but_an_empty_pcap_is_not(tmp_path):
+    """ERF has no file header, so a 0-byte .erf (a generate window with no packets) is a capture
+    of no records: "nothing checked", exit 1, like a pcap with a header and no records; a 0-byte
+    .pcap lacks its header and cannot be read (exit 2)."""
+    erf = tmp_path / "none.erf"
+    erf.write_bytes(b"")
+    res = run_cli(erf, "--json")
+    doc = json.loads(res.output)
+    assert res.exit_code == 1 and doc["format"] == "erf" and doc["frames"] == 0
+    assert doc["nothing_checked"] is True
+    pcap = tmp_path / "none.pcap"
+    pcap.write_bytes(b"")
+    res = run_cli(pcap)
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "empty file" in res.output

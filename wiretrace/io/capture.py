@@ -429,6 +429,11 @@ class Capture:
 
     def _sniff(self, head: bytes) -> None:
         if len(head) == 0:
+            if Path(self.path).suffix.lower() == ".erf":
+                # ERF has no file header: an .erf file of no records is an empty ERF capture
+                self.format = "erf"
+                self.interfaces = []
+                return
             raise InputFormatError(f"{self.path}: empty file; expected a pcap, pcapng or ERF capture")
         if len(head) >= 4:
             magic_be = struct.unpack(">I", head[:4])[0]
