@@ -484,3 +484,31 @@ def test_force_replaces_the_whole_rotated_set(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap1", "r.pcap2", "r.pcap99"]
     run_cli(*base, "--force", check=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.pcap", "r.pcap99"]
+
+
+def test_a_signal_after_the_outputs_are_in_place_keeps_them_and_says_so(tmp_path: Path):
+    """SIGTERM that lands after the outputs were renamed into place: they are complete, they stay,
+    the message says so, and the status still reports the signal (128 + 15)."""
+    import sys
+
+    script = (
+        "import os, signal, sys, time\n"
+        "import wiretrace.pipeline as p\n"
+        "from wiretrace.cli import main\n"
+        "real = p.run_generate\n"
+        "def killed_after(*a, **k):\n"
+        "    s = real(*a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(1)\n"
+        "    return s\n"
+        "p.run_generate = killed_after\n"
+        "sys.argv = ['wiretrace'] + sys.argv[1:]\n"
+        "main()\n")
+    out = tmp_path / "k.pcap"
+    proc = subprocess.run([sys.executable, "-c", script, "generate", "--plan", str(SAMPLES / "gpt2-small-2x4.json"),
+                           "-o", str(out), "--window", "5ms:6ms", "-q"], capture_output=True, text=True)
+    assert proc.returncode == 143, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "wiretrace: terminated by signal 15 after its outputs were written; they are complete and kept"]
+    assert out.stat().st_size > 24 and (tmp_path / "k.parquet" / "packets.parquet").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

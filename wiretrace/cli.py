@@ -80,11 +80,19 @@ class WiretraceGroup(click.Group):
             sys.exit(2)
         except Terminated as e:                   # cleanup has run on the way out
             what = "interrupted" if e.signum == signal.SIGINT else f"terminated by signal {e.signum}"
-            click.echo(f"wiretrace: {what}; temporary outputs removed", err=True)
+            pipeline = sys.modules.get(f"{__package__}.pipeline")
+            if pipeline is not None and pipeline.COMMITTED:
+                click.echo(f"wiretrace: {what} after its outputs were written; they are complete and kept",
+                           err=True)
+            else:
+                click.echo(f"wiretrace: {what}; temporary outputs removed", err=True)
             sys.exit(e.code)
         except (click.exceptions.Abort, KeyboardInterrupt, EOFError):
+            _ignore_signals()
             click.echo("wiretrace: interrupted; temporary outputs removed", err=True)
             sys.exit(128 + signal.SIGINT)
+        # the work is done: a signal from here on must not turn a finished run into a killed one
+        _ignore_signals()
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -119,13 +127,17 @@ class Terminated(SystemExit):
         self.signum = signum
 
 
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _terminate(signum, frame):
     """Unwind (temporary outputs are removed on the way) and exit 128 + signal, as a shell
     reports a process killed by that signal. Further SIGTERM/SIGINT are ignored from here on:
     ``timeout`` and process-group kills deliver the signal twice, and a second unwinding would
     cut the cleanup of the first short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_signals()
     raise Terminated(signum)
 
 

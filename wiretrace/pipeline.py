@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,6 +322,11 @@ def _concat(chunks: list[dict]) -> dict:
     return {k: np.concatenate([np.asarray(c[k]) for c in chunks]) for k in chunks[0]}
 
 
+COMMITTED: list[Path] = []
+"""Outputs this process has renamed into place (complete): a signal after that does not remove
+them, and the command line says so."""
+
+
 class _Staging:
     """Temporary output names beside the final ones; renamed on commit, removed on failure."""
 
@@ -360,16 +367,26 @@ class _Staging:
         self.stale.append(Path(path))
 
     def commit(self) -> None:
-        self.committed = list(self.pairs)
-        for tmp, final in self.pairs:
-            if final.is_dir() and not final.is_symlink():
-                shutil.rmtree(final)
-            elif final.exists():
-                final.unlink()
-            os.replace(tmp, final)
-        for path in self.stale:
-            path.unlink(missing_ok=True)
-        self.pairs, self.stale = [], []
+        """Rename every temporary output into place (and remove the stale files), with SIGTERM
+        and SIGINT held back meanwhile so that a signal cannot leave half a set renamed; the
+        final names are added to :data:`COMMITTED`."""
+        main = threading.current_thread() is threading.main_thread()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT}) if main else None
+        try:
+            self.committed = list(self.pairs)
+            for tmp, final in self.pairs:
+                if final.is_dir() and not final.is_symlink():
+                    shutil.rmtree(final)
+                elif final.exists():
+                    final.unlink()
+                os.replace(tmp, final)
+            for path in self.stale:
+                path.unlink(missing_ok=True)
+            COMMITTED.extend(final for _, final in self.committed)
+            self.pairs, self.stale = [], []
+        finally:
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def abort(self) -> None:
         for tmp, _ in self.pairs:
