@@ -512,3 +512,29 @@ def test_a_signal_after_the_outputs_are_in_place_keeps_them_and_says_so(tmp_path
         "wiretrace: terminated by signal 15 after its outputs were written; they are complete and kept"]
     assert out.stat().st_size > 24 and (tmp_path / "k.parquet" / "packets.parquet").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_capture_larger_than_the_free_space_is_refused_before_writing(tmp_path: Path, monkeypatch):
+    """The capture's estimated size is checked against the free space of its directory first:
+    one error naming both and the ways out, nothing written."""
+    import shutil
+    from collections import namedtuple
+
+    from wiretrace import pipeline
+    from wiretrace import plan as plan_mod
+    from wiretrace.errors import WiretraceError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 9, 10 ** 9 - 5_000_000, 5_000_000))
+    plan = plan_mod.load(SAMPLES / "gpt2-small-2x4.json")
+    with pytest.raises(WiretraceError) as e:
+        pipeline.run_generate(plan, tmp_path / "big.pcap", snaplen=0)
+    msg = str(e.value)
+    # 254,672 packets of at most 4,096 + 100 bytes plus a 16-byte record header each
+    assert msg.startswith(f"this run would write about {pipeline.human_bytes(254_672 * (4096 + 100 + 16))} "
+                          f"of capture (254,672 packets) but {tmp_path} has 5.00 MB free"), msg
+    assert "--snaplen" in msg
+    assert list(tmp_path.iterdir()) == []
+    s = pipeline.run_generate(plan, tmp_path / "small.pcap", snaplen=64, parquet_dir=None, write_parquet=False,
+                              selection=pipeline.Selection(window=pipeline.parse_window("5ms:6ms")))
+    assert s.packets == 11_632

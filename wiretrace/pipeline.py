@@ -310,7 +310,7 @@ def estimate_packets(net: dict, plan: Plan, snaplen: int) -> dict:
     data = int(np.maximum(1, -(-wire // mtu)).sum()) if len(wire) else 0
     acks = len(wire)
     packets = data + acks
-    frame = 4096 + 100
+    frame = mtu + 100                                   # payload plus the longest headers
     per = 16 + (min(snaplen, frame) if snaplen else frame)
     return {"packets": packets, "data_packets": data, "ack_packets": acks,
             "capture_bytes": packets * per}
@@ -553,6 +553,12 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 f"this run would write about {est['packets']:,} packets (~{human_bytes(est['capture_bytes'])}), "
                 f"more than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism dp,tp,pp,... "
                 f"or --window START:END (ns), or raise --max-packets")
+        free = shutil.disk_usage(cap_tmp.parent).free
+        if est["capture_bytes"] > free:
+            raise WiretraceError(
+                f"this run would write about {human_bytes(est['capture_bytes'])} of capture "
+                f"({est['packets']:,} packets) but {cap_tmp.parent} has {human_bytes(free)} free; cut frames "
+                f"with --snaplen (128 keeps every header), or narrow it with --ranks, --parallelism or --window")
 
         pkt_writer = TableWriter(pq_tmp / "packets.parquet", "packets") if pq_tmp else None
 
