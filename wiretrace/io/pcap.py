@@ -54,15 +54,20 @@ class Pcap(Format):
         # the record header as two little-endian 64-bit words per row: (seconds, nanoseconds)
         # and (captured length, original length)
         sec = ts // 1_000_000_000               # (np.divmod is several times slower)
-        nsec = ts - sec * 1_000_000_000
-        w0 = sec.astype(np.uint64) | (nsec.astype(np.uint64) << np.uint64(32))
-        w1 = (caplen + self.erf_len).astype(np.uint64) | ((origlen + self.erf_len).astype(np.uint64) << np.uint64(32))
         if slots.strides[-1] == 1:
-            slots[:, 0:8].view("<u8")[:, 0] = w0
-            slots[:, 8:16].view("<u8")[:, 0] = w1
+            # in place, without temporaries: nanoseconds << 32 | seconds, origlen << 32 | caplen
+            w0 = sec * -1_000_000_000
+            w0 += ts
+            w0 <<= 32
+            w0 |= sec
+            w1 = np.asarray(origlen, dtype=np.int64) + self.erf_len
+            w1 <<= 32
+            w1 |= np.asarray(caplen, dtype=np.int64) + self.erf_len
+            slots[:, 0:8].view("<i8")[:, 0] = w0
+            slots[:, 8:16].view("<i8")[:, 0] = w1
         else:
             hdr = np.empty(n, dtype=RECORD)
-            hdr["ts_sec"], hdr["ts_nsec"] = sec, nsec
+            hdr["ts_sec"], hdr["ts_nsec"] = sec, ts - sec * 1_000_000_000
             hdr["incl_len"], hdr["orig_len"] = caplen + self.erf_len, origlen + self.erf_len
             slots[:, :RECORD.itemsize] = hdr.view(np.uint8).reshape(n, RECORD.itemsize)
         if self.ib:
