@@ -147,6 +147,10 @@ def test_format_against_the_suffix_is_noted_and_the_validate_headline_is_one_lin
     p = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "y.pcapng",
                 "--window", "5ms:6ms", "--no-parquet", "-q", check=True)
     assert p.stderr == ""
+    p = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "z.txt",
+                "--window", "5ms:6ms", "--no-parquet", "-q", check=True)
+    assert p.stderr.splitlines() == ["note: z.txt: no .pcap, .pcapng or .erf suffix; writing pcap (choose with --format)"]
+    assert (tmp_path / "z.txt").read_bytes()[:4] == bytes.fromhex("4d3cb2a1")
     env = dict(os.environ, COLUMNS="60")
     v = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(out)], capture_output=True,
                        text=True, env=env)

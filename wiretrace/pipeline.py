@@ -492,6 +492,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
             summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
                                  f"{Path(output).suffix} suffix suggests")
+        elif not fmt and split is None and suffix_fmt is None:
+            summary.notes.append(f"{Path(output).name}: no .pcap, .pcapng or .erf suffix; writing pcap "
+                                 f"(choose with --format)")
         if selection.ranks is not None and max(selection.ranks) >= topo.world_size:
             raise WiretraceError(f"--ranks: rank {max(selection.ranks)} is outside the plan's "
                                  f"{topo.world_size} GPUs (0-{topo.world_size - 1})")
