@@ -460,6 +460,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     """
     from . import collectives as coll_stage
     from . import io as wio
+    from .io.write import SUFFIX_FORMATS, format_for
     from . import transport
 
     def tick(stage: str, done: int, total: int | None = None) -> None:
@@ -488,7 +489,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         tick("schedule", 0)
         measured = build_collectives(plan, schedule)
         summary.notes.extend(measured.notes)
-        suffix_fmt = {".pcap": "pcap", ".cap": "pcap", ".pcapng": "pcapng", ".erf": "erf"}.get(Path(output).suffix.lower())
+        suffix_fmt = SUFFIX_FORMATS.get(Path(output).suffix.lower())
         if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
             summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
                                  f"{Path(output).suffix} suffix suggests")
@@ -587,7 +588,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 yield chunk
 
         stats = wio.write_capture(cap_tmp, packet_chunks(), topo, plan, snaplen=snaplen,
-                                  fmt=fmt or _format_from_suffix(output), split=split,
+                                  fmt=format_for(output, fmt), split=split,
                                   max_file_size=max_file_size)
         if split is None:
             # rotated files (tcpdump -C naming): <tmp>1, <tmp>2 ... become <output>1, <output>2 ...
@@ -665,7 +666,3 @@ def human_bytes(n: float) -> str:
         n /= 1000.0
     return f"{n:,.2f} TB"
 
-
-def _format_from_suffix(path: Path) -> str:
-    suf = path.suffix.lower()
-    return {".pcapng": "pcapng", ".erf": "erf"}.get(suf, "pcap")

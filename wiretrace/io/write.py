@@ -524,6 +524,8 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
 
 
 FORMATS = ("pcap", "pcapng", "erf")
+SUFFIX_FORMATS = {".pcapng": "pcapng", ".erf": "erf", ".pcap": "pcap", ".cap": "pcap"}
+"""Capture format of each file suffix wiretrace knows (others get pcap)."""
 
 
 def format_for(path: str | Path, fmt: str | None = None) -> str:
@@ -532,8 +534,7 @@ def format_for(path: str | Path, fmt: str | None = None) -> str:
         if fmt not in FORMATS:
             raise WiretraceError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
         return fmt
-    suf = Path(path).suffix.lower()
-    return {".pcapng": "pcapng", ".erf": "erf", ".pcap": "pcap", ".cap": "pcap"}.get(suf, "pcap")
+    return SUFFIX_FORMATS.get(Path(path).suffix.lower(), "pcap")
 
 
 def make_format(name: str, topo: Topology, plan: Plan, snaplen: int) -> Format:
