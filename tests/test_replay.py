@@ -394,21 +394,27 @@ def test_errors_are_one_line_exit_2(netns_pair, capture, tmp_path):
     assert r.returncode == 2 and "not a capture" in r.stderr
 
 
-def test_permission_error_without_cap_net_raw(capture):
+def replay_unprivileged(src: Path, *args: str) -> subprocess.CompletedProcess:
+    """``wiretrace replay`` of a copy of ``src`` (readable by all) as user nobody, with no
+    capabilities (setpriv)."""
     need_root()
     need("setpriv")
-    src, _ = capture
     public = Path(tempfile.mkdtemp(prefix="wiretrace-perm-"))
     try:
         os.chmod(public, 0o755)
         path = public / "roce.pcap"
         shutil.copy(src, path)
         os.chmod(path, 0o644)
-        r = run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-             "--bounding-set=-all", *WIRETRACE, "replay", str(path), "--iface", "lo"],
-                env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        return run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                    "--bounding-set=-all", *WIRETRACE, "replay", str(path), *args],
+                   env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     finally:
         shutil.rmtree(public)
+
+
+def test_permission_error_without_cap_net_raw(capture):
+    src, _ = capture
+    r = replay_unprivileged(src, "--iface", "lo")
     assert r.returncode == 2
     assert r.stderr.strip() == ("error: replay --iface needs a raw socket: run as root or grant CAP_NET_RAW "
                                 "(setcap cap_net_raw+ep on the Python interpreter)")
@@ -418,19 +424,8 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)   # Linux socket(7)
 
 
 def test_rt_priority_needs_privilege(capture):
-    need_root()
-    need("setpriv")
     src, _ = capture
-    public = Path(tempfile.mkdtemp(prefix="wiretrace-perm-"))
-    try:
-        os.chmod(public, 0o755)
-        path = public / "roce.pcap"
-        shutil.copy(src, path)
-        os.chmod(path, 0o644)
-        r = run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-                 "--bounding-set=-all", *WIRETRACE, "replay", str(path), "--udp", "127.0.0.1:9", *RT])
-    finally:
-        shutil.rmtree(public)
+    r = replay_unprivileged(src, "--udp", "127.0.0.1:9", *RT)
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --rt-priority needs root or CAP_SYS_NICE (SCHED_FIFO)"
     r = run([*WIRETRACE, "replay", str(src), "--udp", "127.0.0.1:9", "--rt-priority", "100"])
