@@ -618,3 +618,19 @@ def test_chakra_send_recv_nodes_of_two_ranks_pair_up(tmp_path):
     assert [(x["op"], x["bytes_per_rank"], x["bytes_global"], x["group_size"], x["t_ready_ns"]) for x in r] == \
         [("all_gather", 4096, 4 * 4096, 4, 0), ("send_recv", 1024, 1024, 2, 3000)]
     assert (r[1]["src"], r[1]["dst"]) == (0, 1) and r[1]["source"] == f"{a}:node 2"
+
+
+def test_json_values_reads_up_to_a_cut_and_says_where():
+    """The stream reader behind kineto's traceEvents and chakra's jsonized nodes: values kept up
+    to the first one that does not decode, its line named; the caller's decoder is used."""
+    from wiretrace.ingest.common import json_values
+
+    text = '[ {"a": 1},\n {"b": 2.5} ,\n {"c": ]'
+    values, cut = json_values(text, 1, lambda c: c in " \t\r\n,", end="]",
+                              decoder=json.JSONDecoder(parse_float=str))
+    assert values == [{"a": 1}, {"b": "2.5"}]
+    assert cut is not None and cut[0] == 3
+    values, cut = json_values('{"x": 1}\n\n{"y": 2}\n', 0, str.isspace)
+    assert values == [{"x": 1}, {"y": 2}] and cut is None
+    values, cut = json_values('[1, 2]', 1, lambda c: c in " ,", end="]")
+    assert values == [1, 2] and cut is None

@@ -32,13 +32,12 @@ a size becomes a row with bytes -1 and dtype ``unknown`` and is listed in
 from __future__ import annotations
 
 import ast
-import json
 import re
 import struct
 from collections import defaultdict
 from pathlib import Path
 
-from .common import UNKNOWN, Partial, Skip, counts_by_op, read_bytes, sizes
+from .common import UNKNOWN, Partial, Skip, counts_by_op, json_values, read_bytes, sizes
 
 NODE_TYPES = {0: "INVALID_NODE", 1: "METADATA_NODE", 2: "MEM_LOAD_NODE", 3: "MEM_STORE_NODE",
               4: "COMP_NODE", 5: "COMM_SEND_NODE", 6: "COMM_RECV_NODE", 7: "COMM_COLL_NODE"}
@@ -252,21 +251,10 @@ def _node_from_jsonizer(obj: dict, fname: str) -> dict:
 
 
 def _read_json_stream(text: str, fname: str, skipped: list[Skip]) -> list[dict]:
-    dec = json.JSONDecoder()
-    pos, objs = 0, []
-    while True:
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos >= len(text):
-            break
-        try:
-            obj, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            line = text.count("\n", 0, pos) + 1
-            skipped.append(Skip(fname, line, f"JSON object {len(objs)} is cut off or damaged ({e.msg}); "
-                                             f"read the {len(objs)} objects before it"))
-            break
-        objs.append(obj)
+    objs, cut = json_values(text, 0, str.isspace)
+    if cut is not None:
+        skipped.append(Skip(fname, cut[0], f"JSON object {len(objs)} is cut off or damaged ({cut[1]}); "
+                                           f"read the {len(objs)} objects before it"))
     return objs
 
 

@@ -16,6 +16,7 @@ Conventions for facts a measured file does not state (also written in
 from __future__ import annotations
 
 import gzip
+import json
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -160,6 +161,29 @@ class Rows:
             else:
                 out[name] = vals
         return to_arrow("collectives", out)
+
+
+def json_values(text: str, pos: int, gap, end: str | None = None,
+                decoder: json.JSONDecoder | None = None) -> tuple[list, tuple[int, str] | None]:
+    """The JSON values of ``text`` from ``pos`` on, one after another, the characters for which
+    ``gap(c)`` is true between them, up to the end of the text or a character ``end``; decoded
+    by ``decoder`` (default: a plain :class:`json.JSONDecoder`).
+
+    Returns ``(values, cut)``: ``cut`` is None, or ``(line, message)`` of the first value that
+    does not decode (a file cut off while written): the values before it are kept.
+    """
+    dec = decoder or json.JSONDecoder()
+    values: list = []
+    while True:
+        while pos < len(text) and gap(text[pos]):
+            pos += 1
+        if pos >= len(text) or text[pos] == end:
+            return values, None
+        try:
+            value, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            return values, (text.count("\n", 0, pos) + 1, e.msg)
+        values.append(value)
 
 
 def read_bytes(path: Path, skipped: list[Skip]) -> bytes:

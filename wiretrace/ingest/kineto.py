@@ -32,7 +32,8 @@ from collections import defaultdict
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from .common import UNKNOWN, Partial, Skip, counts_by_op, parallelism_from_desc, read_bytes, sizes
+from .common import (UNKNOWN, Partial, Skip, counts_by_op, json_values, parallelism_from_desc, read_bytes,
+                     sizes)
 
 # c10::ScalarType names (c10/core/ScalarType.h) -> (table dtype, bytes per element).
 SCALAR_TYPES = {
@@ -108,26 +109,15 @@ def _load(data: bytes, fname: str, skipped: list[Skip]) -> tuple[dict, list[tupl
     m = re.search(r'"traceEvents"\s*:\s*\[', text)
     if m is None and text.lstrip().startswith("["):
         m = re.match(r"\s*\[", text)
-    events: list[tuple[int, dict]] = []
     if m is None:
         skipped.append(Skip(fname, err.lineno, f"not valid JSON and no traceEvents array found ({err.msg})"))
-        return meta, events
-    pos, i = m.end(), 0
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            ev, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError as e2:
-            line = text.count("\n", 0, pos) + 1
-            skipped.append(Skip(fname, line, f"trace is cut off or damaged inside traceEvents[{i}] ({e2.msg}); "
-                                             f"read the {i} events before it"))
-            break
-        if isinstance(ev, dict):
-            events.append((i, ev))
-        i += 1
+        return meta, []
+    values, cut = json_values(text, m.end(), lambda c: c in " \t\r\n,", end="]", decoder=dec)
+    events = [(i, ev) for i, ev in enumerate(values) if isinstance(ev, dict)]
+    if cut is not None:
+        i = len(values)
+        skipped.append(Skip(fname, cut[0], f"trace is cut off or damaged inside traceEvents[{i}] ({cut[1]}); "
+                                            f"read the {i} events before it"))
     return meta, events
 
 
