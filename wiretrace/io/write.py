@@ -7,9 +7,9 @@ per-packet Python code, no extra copy of the frame bytes. Producing the next chu
 generator), rendering and writing run on three threads at once (:func:`write_stream`); whole
 frames are rendered in pieces of :data:`SLOT_BYTES` so that memory stays bounded. Payloads are
 deterministic (:data:`~wiretrace.transport.render.PAYLOAD_PATTERN`): when frames carry long ones,
-only headers and trailers are rendered and each record goes out as three iovecs (row bytes before
-the payload, the pattern itself, row bytes after it), so payload bytes are copied once, by the
-kernel.
+only headers and trailers are rendered and each record goes out as its row's bytes before the
+payload, then the pattern itself; the bytes after the payload are moved to the row's end so that
+they join the next record's (two iovecs a record). Payload bytes are copied once, by the kernel.
 
 Files are written under a temporary name beside the target and renamed when complete, so a failed
 run leaves nothing behind. :func:`write_capture` adds the two ways of cutting a capture: one file
@@ -198,11 +198,10 @@ def _write_rows(fd: int, slots: np.ndarray, lengths: np.ndarray, holes: Holes | 
         r = np.arange(len(slots)) if rows is None else rows
         return _writev_iov(fd, _hole_iovecs(slots, r, lengths, holes))
     if rows is not None:
-        width = slots.shape[1]
-        iov = np.empty((len(rows), 2), dtype=np.uintp)
-        iov[:, 0] = np.uintp(slots.ctypes.data) + (rows.astype(np.int64) * width).astype(np.uintp)
-        iov[:, 1] = np.asarray(lengths).astype(np.uintp)
-        return _writev_iov(fd, iov[iov[:, 1] > 0])
+        starts = rows.astype(np.int64) * slots.shape[1]
+        ends = starts + np.asarray(lengths, dtype=np.int64)
+        keep = ends > starts
+        return _writev_runs(fd, slots.ctypes.data, starts[keep], ends[keep])
     starts, ends = slot_runs(slots, lengths)
     return _writev_runs(fd, slots.ctypes.data, starts, ends)
 
@@ -246,18 +245,19 @@ class _File:
               rows: np.ndarray | None = None) -> None:
         """Append the first ``lengths[i]`` bytes of each row of ``slots`` (one record a row; only
         ``rows`` when given), payload ``holes`` sent from the pattern (see :func:`_write_rows`)."""
-        if self.fd < 0:                    # closed to stay under the open-file limit: reopen
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
-        self.size += _write_rows(self.fd, slots, lengths, holes, rows)
+        self.size += _write_rows(self._open(), slots, lengths, holes, rows)
         self.packets += len(lengths)
 
     def write_iov(self, iov: np.ndarray, records: int) -> None:
         """Append the byte ranges ``iov`` (a ``struct iovec`` array, see :func:`_writev_iov`)
         holding ``records`` records."""
-        if self.fd < 0:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
-        self.size += _writev_iov(self.fd, iov)
+        self.size += _writev_iov(self._open(), iov)
         self.packets += records
+
+    def _open(self) -> int:
+        if self.fd < 0:                    # closed to stay under the open-file limit: reopen
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_APPEND)
+        return self.fd
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -275,7 +275,7 @@ class _File:
 
 BY_REFERENCE_BYTES = 512
 """Chunks whose frames capture this many payload bytes on average send the payload from
-:data:`~wiretrace.transport.render.PAYLOAD_PATTERN` (one more iovec each side of it) instead of
+:data:`~wiretrace.transport.render.PAYLOAD_PATTERN` (one more iovec a record) instead of
 rendering it into every row: the bytes are then copied once, by the kernel, as by one write()."""
 
 
@@ -363,11 +363,11 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} file header")
     files: list[_File] = []
 
-    def put(slots: np.ndarray, reclen: np.ndarray, holes) -> None:
-        """Append one chunk's records (runs on the I/O thread, one chunk after another);
-        ``holes`` may be the records' iovecs already built (no rotation)."""
-        if isinstance(holes, np.ndarray):
-            files[-1].write_iov(holes, len(reclen))
+    def put(slots: np.ndarray, reclen: np.ndarray, holes: Holes | None, iov: np.ndarray | None) -> None:
+        """Append one chunk's records (runs on the I/O thread, one chunk after another); ``iov``:
+        the records' iovecs, already built (no rotation)."""
+        if iov is not None:
+            files[-1].write_iov(iov, len(reclen))
             return
 
         def rotate() -> _File:
@@ -385,9 +385,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         free.put(None)
     writes: list[Future] = []
 
-    def write_and_release(slots, reclen, holes, flat) -> None:
+    def write_and_release(slots, reclen, holes, iov, flat) -> None:
         try:
-            put(slots, reclen, holes)
+            put(slots, reclen, holes, iov)
         finally:
             free.put(flat)
 
@@ -401,10 +401,11 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                 raise
             if flat is None or flat.size < slots.size:
                 flat = slots.reshape(-1)
+            iov = None
             if holes is not None and max_file_size is None:
                 # the iovecs are built here, so the I/O thread only calls writev
-                holes = _hole_iovecs(slots, np.arange(len(reclen)), reclen, holes)
-            writes.append(writer.submit(write_and_release, slots, reclen, holes, flat))
+                iov = _hole_iovecs(slots, np.arange(len(reclen)), reclen, holes)
+            writes.append(writer.submit(write_and_release, slots, reclen, holes, iov, flat))
 
     inflight: list[Future] = []
     packets = 0
