@@ -84,7 +84,8 @@ def to_arrow(table: str, columns: Mapping[str, object]) -> pa.Table:
     ----------
     table : one of ``TABLES``.
     columns : mapping name -> array-like (NumPy array, list, or pyarrow Array), all the same length.
-        Every declared column must be present; extra columns are an error.
+        Every declared column must be present; extra columns are an error, except private ones
+        (names starting with ``_``, such as packetize's template column), which are left out.
 
     Raises
     ------
@@ -93,7 +94,7 @@ def to_arrow(table: str, columns: Mapping[str, object]) -> pa.Table:
     schema = arrow_schema(table)
     names = set(columns)
     missing = [f.name for f in schema if f.name not in names]
-    extra = sorted(names - set(schema.names))
+    extra = sorted(n for n in names - set(schema.names) if not n.startswith("_"))
     if missing or extra:
         raise ValueError(f"table {table}: missing columns {missing}, unknown columns {extra}")
     arrays = []

@@ -114,7 +114,19 @@ _DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic"
            # internal: frame kind, QPN of the frame's sender, the row this frame answers (a
            # READ response its request, an ACK the data packet it acknowledges; -1 none) and
            # the time the frame was ready before its NIC's link serialized it
-           "_kind": np.uint8, "_src_qpn": np.int32, "_dep": np.int64, "_ots": np.int64}
+           "_kind": np.uint8, "_src_qpn": np.int32, "_dep": np.int64, "_ots": np.int64,
+           # also yielded: see TEMPLATE_COLUMN
+           "_tmpl": np.int32}
+TEMPLATE_COLUMN = "_tmpl"
+"""Column of every yielded chunk besides :data:`PACKET_COLUMNS`: rows with the same value >= 0 are
+MIDDLE data packets of one message whose ECN was not changed (not CE-marked), so their frames are
+the same but for the PSN, AckReq, IPv4 identification and checksum and the time; -1 for every
+other row. The renderer copies such frames from one rendered frame per value instead of
+comparing their columns (:func:`wiretrace.transport.render.render_slots`). Tables from elsewhere
+do not carry it; the Parquet packets table does not store it."""
+
+
+YIELDED_COLUMNS = PACKET_COLUMNS + (TEMPLATE_COLUMN,)
 
 
 def _empty() -> dict[str, np.ndarray]:
@@ -326,12 +338,15 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
         l_aeth = HAS_AETH[opcode[ends]]
         msn[starts[f_aeth]] = np.where(one, mm, (mm - 1) % PSN_MOD)[f_aeth]
         msn[ends[l_aeth]] = mm[l_aeth]
+    tmpl = np.repeat(np.arange(lo, hi, dtype=np.int32), npk)
+    tmpl[starts] = -1
+    tmpl[ends] = -1
     data = {
         "ts_ns": ts, "msg_id": rep(M.msg_id), "src_nic": rep(M.src32), "dst_nic": rep(M.dst32),
         "udp_sport": rep(M.udp_sport), "dest_qp": rep(M.qp_dst32), "psn": psn.astype(np.int32),
         "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
         "dma_len": dma, "msn": msn, "imm": imm, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
-        "_dep": np.full(total, -1, np.int64),
+        "_dep": np.full(total, -1, np.int64), "_tmpl": tmpl,
     }
     parts = [data]
 
@@ -354,7 +369,7 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
             "pad": np.zeros(len(gr), np.uint8), "frame_len": fl.astype(np.int32),
             "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32), "imm": np.full(len(gr), -1, np.int64),
             "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
-            "_dep": np.full(len(gr), -1, np.int64),
+            "_dep": np.full(len(gr), -1, np.int64), "_tmpl": np.full(len(gr), -1, np.int32),
         })
 
     # ACKs
@@ -384,7 +399,7 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
             "pad": np.zeros(na, np.uint8), "frame_len": fl.astype(np.int32),
             "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32), "imm": np.full(na, -1, np.int64),
             "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
-            "_dep": a_dep.astype(np.int64),
+            "_dep": a_dep.astype(np.int64), "_tmpl": np.full(na, -1, np.int32),
         })
     n0 = len(carry["ts_ns"]) if carry is not None else 0
     for q in parts:
@@ -440,6 +455,7 @@ class _Marker:
         if not len(rows):
             return None
         p["ecn"][rows] = 3
+        p[TEMPLATE_COLUMN][rows] = -1
         return self._cnps(p, rows)
 
     def _queue_marks(self, p: dict, data: np.ndarray) -> np.ndarray:
@@ -524,6 +540,7 @@ class _Marker:
             "frame_len": fl.astype(np.int32), "dma_len": np.full(n, -1, np.int64),
             "msn": np.full(n, -1, np.int32), "imm": np.full(n, -1, np.int64), "_kind": np.full(n, K_CNP, np.uint8),
             "_src_qpn": p["dest_qp"][r], "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
+            "_tmpl": np.full(n, -1, np.int32),
         }
 
 
@@ -780,7 +797,8 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
 
     Yields
     ------
-    dict of column -> ``(n,)`` array with the columns of ``schemas/packets.schema.json``; each chunk
+    dict of column -> ``(n,)`` array with the columns of ``schemas/packets.schema.json`` and
+    :data:`TEMPLATE_COLUMN` (a hint for the renderer); each chunk
     sorted by ``ts_ns`` and every chunk's first ``ts_ns`` >= the previous chunk's last.
 
     Raises
@@ -858,7 +876,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
                     cnp["ts_ns"] = np.maximum(cnp["ts_ns"], cut)
                     cnp["_ots"] = cnp["ts_ns"].copy()
                     cnps = _by_ready(_concat([cnps, cnp]))
-                ready_out.append({k: out[k] for k in PACKET_COLUMNS})
+                ready_out.append({k: out[k] for k in YIELDED_COLUMNS})
                 n_ready += len(out["ts_ns"])
                 if n_ready >= step:                 # yield chunks of a useful size
                     yield _join(ready_out)

@@ -43,7 +43,7 @@ from ..topology import Topology
 from . import headers as H
 from . import icrc as C
 from . import layout
-from .packetize import ACK_SYNDROME
+from .packetize import ACK_SYNDROME, TEMPLATE_COLUMN
 
 PAYLOAD_PATTERN = (np.arange(1 << 16) & 0xFF).astype(np.uint8)
 """Payload bytes: byte ``i`` of a packet's payload is ``i mod 256``."""
@@ -179,7 +179,9 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     gather), and those fields are patched as columns; the checksum is the template's one's
     complement sum plus the identification (RFC 1071). Every other row (FIRST/LAST/ONLY, ACKs,
     CNPs, rows whose hash slot another connection took) is rendered by :func:`_render_roce`.
-    Used when the ICRC of the MIDDLE frames is past the snap length (it covers the PSN) and
+    The groups come from packetize's :data:`~wiretrace.transport.packetize.TEMPLATE_COLUMN` when
+    the table carries it (:func:`_template_hint`), otherwise from comparing the columns
+    (:func:`_template_groups`). Used when the ICRC of the MIDDLE frames is past the snap length (it covers the PSN) and
     payloads are rendered; the bytes are those of :func:`_render_roce`."""
     n, width = slots.shape
     nics = topo.num_nics
@@ -190,10 +192,86 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     bth = ip + H.IPV4.length + H.UDP.length
     if width < bth + H.BTH.length:                          # headers cut by the snap length
         return None
-    mid = _MIDDLE[F.opcode]
-    n_mid = int(np.count_nonzero(mid))
-    if n_mid < n // 2 or (F.frame_len[mid] - H.ICRC_LEN < F.caplen[mid]).any():
+    hint = _template_hint(packets, n)
+    if hint is not None:
+        rep, row_t, ok = hint
+    else:
+        rep, row_t, ok = _template_groups(F, packets, nics)
+    if rep is None:
         return None
+    # templates whose ICRC a row would capture are not used (their rows are rendered whole)
+    bad = F.frame_len[rep] - H.ICRC_LEN < F.caplen[rep]
+    if bad.any():
+        ok &= ~bad[row_t]
+    if not ok.any():
+        return None
+    # one _render_roce call for the templates (a representative row each) and the other rows
+    reps = rep
+    other = np.flatnonzero(~ok)
+    rows = np.concatenate([reps, other])
+    sub = {k: np.asarray(v)[rows] for k, v in packets.items()}
+    Fo = _Frames(sub, topo, plan, 0)
+    Fo.caplen = F.caplen[rows]
+    block = np.empty((len(rows), width), dtype=np.uint8)
+    _render_roce(block, prefix, Fo, sub, topo, plan, crc=False)
+    T = block[:len(reps)]
+    void = np.dtype((np.void, width))
+    np.take(T.view(void).reshape(-1), row_t, out=slots.view(void).reshape(-1), mode="clip")
+    # per-row fields
+    psn = _col(packets, "psn")
+    ident = psn.astype(np.uint16)
+    words = T[:, ip:ip + H.IPV4.length].astype(np.uint32)
+    wsum = ((words[:, 0::2] << np.uint32(8)) | words[:, 1::2]).sum(axis=1, dtype=np.uint32)
+    wsum -= (words[:, 4] << np.uint32(8)) | words[:, 5]         # identification
+    wsum -= (words[:, 10] << np.uint32(8)) | words[:, 11]       # checksum
+    c = wsum[row_t] + ident
+    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
+    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
+    slots[:, ip + 4:ip + 6].view(">u2")[:, 0] = ident
+    slots[:, ip + 10:ip + 12].view(">u2")[:, 0] = ~c.astype(np.uint16)
+    word = psn.astype(np.uint32) & np.uint32(0xFFFFFF)
+    word |= _col(packets, "ack_req", np.bool_).astype(np.uint32) << np.uint32(31)
+    slots[:, bth + 8:bth + 12].view(">u4")[:, 0] = word
+    if len(other):
+        slots[other] = block[len(reps):]
+    return other
+
+
+def _template_hint(packets, n: int):
+    """Template groups from packetize's :data:`~wiretrace.transport.packetize.TEMPLATE_COLUMN`
+    (rows with one value >= 0 have the same frame but for PSN, AckReq, IPv4 identification and
+    checksum): ``(representative row per template, template of each row, row uses a template)``,
+    or None when the table does not carry it or its values spread too widely for a direct map."""
+    try:
+        tm = np.asarray(packets[TEMPLATE_COLUMN])
+    except (KeyError, IndexError, TypeError):
+        return None
+    if len(tm) != n:
+        return None
+    ok = tm >= 0
+    if not ok.any():
+        return np.zeros(0, np.intp), np.zeros(n, np.intp), ok
+    lo, hi = int(tm[ok].min()), int(tm.max())
+    if hi - lo >= 4 * n:
+        return None
+    rows = np.flatnonzero(ok)
+    first = np.full(hi - lo + 1, -1, dtype=np.intp)
+    first[tm[rows] - lo] = rows                          # one row of each template
+    used = np.flatnonzero(first >= 0)
+    fid = np.zeros(hi - lo + 1, dtype=np.intp)
+    fid[used] = np.arange(len(used))
+    return first[used], fid[np.maximum(tm - lo, 0)], ok
+
+
+def _template_groups(F: _Frames, packets, nics: int):
+    """Template groups found by comparing columns: MIDDLE frames with the same (src NIC, dst NIC,
+    destination QP, opcode) key, hashed into :data:`TEMPLATE_SLOTS` slots, whose UDP port,
+    DSCP/ECN, PadCnt and length equal their slot's representative; same return as
+    :func:`_template_hint`, ``(None, None, None)`` when under half the rows are MIDDLE."""
+    n = F.n
+    mid = _MIDDLE[F.opcode]
+    if np.count_nonzero(mid) < n // 2:
+        return None, None, None
     # connection key, exact: (src NIC, dst NIC, destination QP, opcode) in 62 bits
     bits = max(1, (nics - 1).bit_length())
     key = F.src.astype(np.int64)
@@ -220,37 +298,7 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     ok = mid & (row_rep >= 0)
     r = np.maximum(row_rep, 0)
     ok &= (key[r] == key) & (rest[r] == rest)
-    # one _render_roce call for the templates (a representative row each) and the other rows
-    reps = rep[used]
-    other = np.flatnonzero(~ok)
-    rows = np.concatenate([reps, other])
-    sub = {k: np.asarray(v)[rows] for k, v in packets.items()}
-    Fo = _Frames(sub, topo, plan, 0)
-    Fo.caplen = F.caplen[rows]
-    block = np.empty((len(rows), width), dtype=np.uint8)
-    _render_roce(block, prefix, Fo, sub, topo, plan, crc=False)
-    T = block[:len(reps)]
-    row_t = fid[h]
-    void = np.dtype((np.void, width))
-    np.take(T.view(void).reshape(-1), row_t, out=slots.view(void).reshape(-1), mode="clip")
-    # per-row fields
-    psn = _col(packets, "psn")
-    ident = psn.astype(np.uint16)
-    words = T[:, ip:ip + H.IPV4.length].astype(np.uint32)
-    wsum = ((words[:, 0::2] << np.uint32(8)) | words[:, 1::2]).sum(axis=1, dtype=np.uint32)
-    wsum -= (words[:, 4] << np.uint32(8)) | words[:, 5]         # identification
-    wsum -= (words[:, 10] << np.uint32(8)) | words[:, 11]       # checksum
-    c = wsum[row_t] + ident
-    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
-    c = (c & np.uint32(0xFFFF)) + (c >> np.uint32(16))
-    slots[:, ip + 4:ip + 6].view(">u2")[:, 0] = ident
-    slots[:, ip + 10:ip + 12].view(">u2")[:, 0] = ~c.astype(np.uint16)
-    word = psn.astype(np.uint32) & np.uint32(0xFFFFFF)
-    word |= _col(packets, "ack_req", np.bool_).astype(np.uint32) << np.uint32(31)
-    slots[:, bth + 8:bth + 12].view(">u4")[:, 0] = word
-    if len(other):
-        slots[other] = block[len(reps):]
-    return other
+    return rep[used], fid[h], ok
 
 
 def _icrc_v4_captured(slots, prefix: int, F: _Frames, plan: Plan, among: np.ndarray | None = None) -> None:
