@@ -254,13 +254,15 @@ def _template_hint(packets, n: int):
     lo, hi = int(tm[ok].min()), int(tm.max())
     if hi - lo >= 4 * n:
         return None
-    rows = np.flatnonzero(ok)
-    first = np.full(hi - lo + 1, -1, dtype=np.intp)
-    first[tm[rows] - lo] = rows                          # one row of each template
+    # template index per row, other rows in one extra slot at the end
+    slot = np.where(ok, tm - np.int32(lo), np.int32(hi - lo + 1))
+    first = np.full(hi - lo + 2, -1, dtype=np.intp)
+    first[slot] = np.arange(n)                           # one row of each template
+    first[-1] = -1
     used = np.flatnonzero(first >= 0)
-    fid = np.zeros(hi - lo + 1, dtype=np.intp)
+    fid = np.zeros(hi - lo + 2, dtype=np.intp)
     fid[used] = np.arange(len(used))
-    return first[used], fid[np.maximum(tm - lo, 0)], ok
+    return first[used], fid[slot], ok
 
 
 def _template_groups(F: _Frames, packets, nics: int):
