@@ -90,6 +90,7 @@ OPCODE_TABLE = np.zeros((len(VERB_CODE), 4), dtype=np.uint8)
 for _v, _names in _OPS.items():
     OPCODE_TABLE[VERB_CODE[_v]] = [H.opcode("RC_" + n) for n in _names]
 OP_ACK = H.opcode("RC_ACKNOWLEDGE")
+OP_READ_RESPONSE_FIRST = H.opcode("RC_RDMA_READ_RESPONSE_FIRST")
 OP_READ_REQUEST = H.opcode("RC_RDMA_READ_REQUEST")
 OP_CNP = H.CNP_OPCODE
 
@@ -111,12 +112,17 @@ _DTYPES = {"ts_ns": np.int64, "msg_id": np.int64, "src_nic": np.int32, "dst_nic"
            "udp_sport": np.int32, "dest_qp": np.int32, "psn": np.int32, "opcode": np.uint8,
            "ack_req": np.bool_, "payload_len": np.int32, "pad": np.uint8, "frame_len": np.int32,
            "dscp": np.uint8, "ecn": np.uint8, "dma_len": np.int64, "msn": np.int32, "imm": np.int64,
-           # internal: frame kind, QPN of the frame's sender, the row this frame answers (a
-           # READ response its request, an ACK the data packet it acknowledges; -1 none) and
-           # the time the frame was ready before its NIC's link serialized it
-           "_kind": np.uint8, "_src_qpn": np.int32, "_dep": np.int64, "_ots": np.int64,
+           # internal: frame kind, the row this frame answers (a READ response its request, an
+           # ACK the data packet it acknowledges; -1 none) and the time the frame was ready
+           # before its NIC's link serialized it
+           "_kind": np.uint8, "_dep": np.int64, "_ots": np.int64,
            # also yielded: see TEMPLATE_COLUMN
-           "_tmpl": np.int32}
+           "_tmpl": np.int32,
+           # the frame's message (row of _Messages), from which the columns in DERIVED follow
+           "_mi": np.int32}
+DERIVED = ("msg_id", "dst_nic", "udp_sport", "dest_qp", "dma_len", "msn", "imm")
+"""Columns a frame does not carry while it is scheduled: they follow from its message, kind,
+opcode and PSN (:func:`_derive`)."""
 TEMPLATE_COLUMN = "_tmpl"
 """Column of every yielded chunk besides :data:`PACKET_COLUMNS`: rows with the same value >= 0 are
 MIDDLE data packets of one message whose ECN was not changed (not CE-marked), so their frames are
@@ -325,28 +331,14 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
         ack_req = last.copy()
     if is_read.any():
         ack_req &= ~np.repeat(is_read, npk)
-    dma = np.full(total, -1, dtype=np.int64)
-    has_reth = HAS_RETH[opcode[starts]]
-    dma[starts[has_reth]] = b[has_reth]
-    imm = np.full(total, -1, dtype=np.int64)
-    has_imm = HAS_IMM[opcode[ends]]
-    imm[ends[has_imm]] = b[has_imm] & 0xFFFFFFFF
-    msn = np.full(total, -1, dtype=np.int32)
-    if is_read.any():
-        mm = M.msn[sl]
-        f_aeth = HAS_AETH[opcode[starts]]
-        l_aeth = HAS_AETH[opcode[ends]]
-        msn[starts[f_aeth]] = np.where(one, mm, (mm - 1) % PSN_MOD)[f_aeth]
-        msn[ends[l_aeth]] = mm[l_aeth]
-    tmpl = np.repeat(np.arange(lo, hi, dtype=np.int32), npk)
+    mi = np.repeat(np.arange(lo, hi, dtype=np.int32), npk)
+    tmpl = mi.copy()
     tmpl[starts] = -1
     tmpl[ends] = -1
     data = {
-        "ts_ns": ts, "msg_id": rep(M.msg_id), "src_nic": rep(M.src32), "dst_nic": rep(M.dst32),
-        "udp_sport": rep(M.udp_sport), "dest_qp": rep(M.qp_dst32), "psn": psn.astype(np.int32),
+        "ts_ns": ts, "src_nic": rep(M.src32), "psn": psn.astype(np.int32),
         "opcode": opcode, "ack_req": ack_req, "payload_len": payload, "pad": pad, "frame_len": flen,
-        "dma_len": dma, "msn": msn, "imm": imm, "_kind": np.zeros(total, np.uint8), "_src_qpn": rep(M.qp_src32),
-        "_dep": np.full(total, -1, np.int64), "_tmpl": tmpl,
+        "_kind": np.zeros(total, np.uint8), "_dep": np.full(total, -1, np.int64), "_tmpl": tmpl, "_mi": mi,
     }
     parts = [data]
 
@@ -361,15 +353,14 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
         fl = (M.base + H.RETH.length + M.grh_len[gr]).astype(np.int64)
         wns = M.wire_ns(fl)
         parts.append({
-            "ts_ns": np.maximum(0, M.t_start[gr] - M.latency - wns), "msg_id": M.msg_id[gr],
-            "src_nic": M.dst[gr].astype(np.int32), "dst_nic": M.src[gr].astype(np.int32),
-            "udp_sport": M.udp_sport[gr], "dest_qp": M.qp_src[gr].astype(np.int32),
+            "ts_ns": np.maximum(0, M.t_start[gr] - M.latency - wns),
+            "src_nic": M.dst[gr].astype(np.int32),
             "psn": M.psn0[gr].astype(np.int32), "opcode": np.full(len(gr), OP_READ_REQUEST, np.uint8),
             "ack_req": np.zeros(len(gr), bool), "payload_len": np.zeros(len(gr), np.int32),
             "pad": np.zeros(len(gr), np.uint8), "frame_len": fl.astype(np.int32),
-            "dma_len": M.bytes[gr], "msn": np.full(len(gr), -1, np.int32), "imm": np.full(len(gr), -1, np.int64),
-            "_kind": np.full(len(gr), K_READ_REQ, np.uint8), "_src_qpn": M.qp_dst[gr].astype(np.int32),
+            "_kind": np.full(len(gr), K_READ_REQ, np.uint8),
             "_dep": np.full(len(gr), -1, np.int64), "_tmpl": np.full(len(gr), -1, np.int32),
+            "_mi": gr.astype(np.int32),
         })
 
     # ACKs
@@ -379,27 +370,24 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
         a_g = lo + np.searchsorted(starts, a, side="right") - 1
         a_psn = psn[a]
         a_dep = a
-        a_msn = np.where(last[a], M.msn[a_g], (M.msn[a_g] - 1) % PSN_MOD)
     else:
         am = np.nonzero(M.ack_msg[sl])[0]
         a_g = lo + am
         a_ts = M.ack_ts[a_g]
         a_psn = (M.psn0[a_g] + M.npk[a_g] - 1) % PSN_MOD
-        a_msn = M.msn[a_g]
         a_dep = ends[am]
     if len(a_g):
         na = len(a_g)
         fl = (M.base + H.AETH.length + M.grh_len[a_g]).astype(np.int64)
         parts.append({
-            "ts_ns": a_ts.astype(np.int64), "msg_id": M.msg_id[a_g],
-            "src_nic": M.dst[a_g].astype(np.int32), "dst_nic": M.src[a_g].astype(np.int32),
-            "udp_sport": M.udp_sport[a_g], "dest_qp": M.qp_src[a_g].astype(np.int32),
+            "ts_ns": a_ts.astype(np.int64),
+            "src_nic": M.dst[a_g].astype(np.int32),
             "psn": a_psn.astype(np.int32), "opcode": np.full(na, OP_ACK, np.uint8),
             "ack_req": np.zeros(na, bool), "payload_len": np.zeros(na, np.int32),
             "pad": np.zeros(na, np.uint8), "frame_len": fl.astype(np.int32),
-            "dma_len": np.full(na, -1, np.int64), "msn": a_msn.astype(np.int32), "imm": np.full(na, -1, np.int64),
-            "_kind": np.full(na, K_ACK, np.uint8), "_src_qpn": M.qp_dst[a_g].astype(np.int32),
+            "_kind": np.full(na, K_ACK, np.uint8),
             "_dep": a_dep.astype(np.int64), "_tmpl": np.full(na, -1, np.int32),
+            "_mi": np.asarray(a_g, dtype=np.int32),
         })
     n0 = len(carry["ts_ns"]) if carry is not None else 0
     for q in parts:
@@ -432,6 +420,7 @@ class _Marker:
         self.latency = topo.latency_ns
         self.base = M.base
         self.wire_ns = M.wire_ns
+        self.qp_src = M.qp_src32
         self.q_state: dict[int, tuple[int, float]] = {}   # dst NIC -> (last arrival ns, backlog incl.)
         # last CNP per QP: keys (NIC << 24 | QPN) sorted, and the time of that QP's last CNP
         self.cnp_keys = np.zeros(0, dtype=np.int64)
@@ -524,7 +513,7 @@ class _Marker:
     def _cnps(self, p: dict, rows: np.ndarray) -> dict | None:
         ts = p["ts_ns"][rows] + self.wire_ns(p["frame_len"][rows]) + self.latency
         nic = p["dst_nic"][rows].astype(np.int64)
-        qpn = p["_src_qpn"][rows].astype(np.int64)
+        qpn = self.qp_src[p["_mi"][rows]].astype(np.int64)     # the data sender's QP
         sel = self._space(nic * (1 << 24) + qpn, ts)
         if not len(sel):
             return None
@@ -532,15 +521,12 @@ class _Marker:
         n = len(r)
         fl = np.full(n, self.base + H.CNP.length, dtype=np.int64)
         return {
-            "ts_ns": ts[sel], "msg_id": p["msg_id"][r], "src_nic": p["dst_nic"][r],
-            "dst_nic": p["src_nic"][r], "udp_sport": np.zeros(n, np.int32),
-            "dest_qp": p["_src_qpn"][r], "psn": np.zeros(n, np.int32),
+            "ts_ns": ts[sel], "src_nic": p["dst_nic"][r], "psn": np.zeros(n, np.int32),
             "opcode": np.full(n, OP_CNP, np.uint8), "ack_req": np.zeros(n, bool),
             "payload_len": np.zeros(n, np.int32), "pad": np.zeros(n, np.uint8),
-            "frame_len": fl.astype(np.int32), "dma_len": np.full(n, -1, np.int64),
-            "msn": np.full(n, -1, np.int32), "imm": np.full(n, -1, np.int64), "_kind": np.full(n, K_CNP, np.uint8),
-            "_src_qpn": p["dest_qp"][r], "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
-            "_tmpl": np.full(n, -1, np.int32),
+            "frame_len": fl.astype(np.int32), "_kind": np.full(n, K_CNP, np.uint8),
+            "_dep": np.full(n, -1, np.int64), "_ots": ts[sel],
+            "_tmpl": np.full(n, -1, np.int32), "_mi": p["_mi"][r],
         }
 
 
@@ -820,7 +806,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
     links = _Links(topo.num_nics, M)
     # columns a frame carries until it is emitted (DSCP and ECN follow from its kind, see
     # _dscp_ecn; the sending QP is only read by marking), and once it is placed
-    pool_cols = tuple(k for k in _DTYPES if k not in ("dscp", "ecn") and (marker.on or k != "_src_qpn"))
+    pool_cols = tuple(k for k in _DTYPES if k not in ("dscp", "ecn") + DERIVED)
     placed_cols = tuple(k for k in pool_cols if k not in ("_dep", "_ots"))
     # With ECN marking, CNPs join the links as they are made: frames are put on the links up to
     # cuts on a fixed grid of one hop latency, so a CNP (ready a hop after the packet it answers)
@@ -870,6 +856,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
             out, placed = _take(placed, o[:n_out], placed_cols), _take(placed, o[n_out:])
             if len(out["ts_ns"]):
                 out["dscp"], out["ecn"] = _dscp_ecn(M, out["_kind"])
+                _derive(M, out)
                 cnp = marker.mark(out) if marker.on else None
                 if cnp is not None:
                     # CNPs answer packets of this batch; they queue on the receiver's link
@@ -897,6 +884,44 @@ def _dscp_ecn(M: _Messages, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if cnp.any():
         dscp[cnp], ecn[cnp] = CNP_DSCP, CNP_ECN
     return dscp, ecn
+
+
+def _derive(M: _Messages, p: dict) -> None:
+    """Add the :data:`DERIVED` columns to frames ``p`` from their message (``_mi``), kind, opcode
+    and PSN: data packets go from the message's source NIC to its destination's QP; ACKs, READ
+    requests and CNPs the other way, to the sending QP (CNPs from UDP source port 0); the RETH
+    DMA length and ImmDt are the message's bytes; the AETH MSN is the message's, one less in a
+    READ RESPONSE FIRST and in an ACK of a packet before the message's last."""
+    mi = p["_mi"]
+    kind = p["_kind"]
+    op = p["opcode"]
+    p["msg_id"] = M.msg_id[mi]
+    p["dst_nic"] = M.dst32[mi]
+    p["dest_qp"] = M.qp_dst32[mi]
+    p["udp_sport"] = M.udp_sport[mi]
+    back = np.flatnonzero(kind != K_DATA)
+    if len(back):
+        mb = mi[back]
+        p["dst_nic"][back] = M.src32[mb]
+        p["dest_qp"][back] = M.qp_src32[mb]
+        p["udp_sport"][back] = np.where(kind[back] == K_CNP, 0, M.udp_sport[mb])
+    n = len(mi)
+    dma = np.full(n, -1, dtype=np.int64)
+    r = np.flatnonzero(HAS_RETH[op])
+    dma[r] = M.bytes[mi[r]]
+    p["dma_len"] = dma
+    imm = np.full(n, -1, dtype=np.int64)
+    r = np.flatnonzero(HAS_IMM[op])
+    imm[r] = M.bytes[mi[r]] & 0xFFFFFFFF
+    p["imm"] = imm
+    msn = np.full(n, -1, dtype=np.int32)
+    r = np.flatnonzero(HAS_AETH[op])
+    if len(r):
+        mr = mi[r]
+        last_psn = (M.psn0[mr] + M.npk[mr] - 1) % PSN_MOD
+        before = (op[r] == OP_READ_RESPONSE_FIRST) | ((op[r] == OP_ACK) & (p["psn"][r] != last_psn))
+        msn[r] = (M.msn[mr] - before) % PSN_MOD
+    p["msn"] = msn
 
 
 def _join(parts: list[dict]) -> dict:
