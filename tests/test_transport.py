@@ -504,6 +504,37 @@ def test_chunks_are_time_ordered_and_independent_of_chunk_size():
     tables.to_arrow("packets", big)     # every declared column, right types; private ones left out
 
 
+@pytest.mark.parametrize("transport,chunk,windowed", [
+    ({}, 7, False), ({}, 1 << 16, False), ({"verb": "read"}, 5, False),
+    ({"ack": {"every_packets": 3}, "initial_psn": 16777000}, 11, False),
+    ({"ack": {"window": "3us"}, "verb": "send_imm"}, 9, False),
+    ({"kind": "ib", "grh": True}, 13, False), ({"ip_version": 6, "initial_psn": "random"}, 64, False),
+    ({"verb": "read", "ack": {"every_packets": 2}}, 17, True),
+])
+def test_single_pool_engine_equals_the_general_loop(monkeypatch, transport, chunk, windowed):
+    """Runs without ECN marking go through one pool per step (packetize.SINGLE_POOL); their
+    packets equal those of the general loop (which ECN-marked runs use), column by column, with
+    contention on the links (messages of one NIC overlapping), READ dependencies, ACKs every N
+    packets or per window, PSN wrap, steps as small as a few packets, and (``windowed``) every
+    step falling back to the windowed schedule."""
+    PK = importlib.import_module("wiretrace.transport.packetize")
+    plan, topo = make_plan(transport, nodes=2, nics=2, qps=2)
+    rng = np.random.default_rng(23)
+    n = 120
+    m = make_messages(rng.integers(0, 40_000, n), rng.integers(0, 4, n), rng.integers(0, 4, n),
+                      np.sort(rng.integers(0, 150_000, n)))
+    m["dst_nic"] = np.where(m["dst_nic"] // 2 == m["src_nic"] // 2, (m["dst_nic"] + 2) % 4, m["dst_nic"])
+    if windowed:
+        monkeypatch.setattr(PK._Links, "settle", lambda self, *a, **k: None)
+    single = all_packets(m, topo, plan, chunk_packets=chunk)
+    monkeypatch.setattr(PK, "SINGLE_POOL", False)
+    general = all_packets(m, topo, plan, chunk_packets=chunk)
+    assert set(single) == set(general)
+    assert len(single["ts_ns"]) > 1000
+    for k in general:
+        np.testing.assert_array_equal(single[k], general[k], err_msg=k)
+
+
 @pytest.mark.parametrize("verb,first,middle,last,only", [
     ("write", 0x06, 0x07, 0x08, 0x0A),
     ("write_imm", 0x06, 0x07, 0x09, 0x0B),
