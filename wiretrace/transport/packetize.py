@@ -51,6 +51,7 @@ chunk to the next, and the output does not depend on the chunk size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Iterator
 
 import numpy as np
@@ -799,8 +800,9 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
 
     Yields
     ------
-    dict of column -> ``(n,)`` array with the columns of ``schemas/packets.schema.json`` and
-    :data:`TEMPLATE_COLUMN` (a hint for the renderer); each chunk
+    :class:`PacketChunk`, a mapping of column -> ``(n,)`` array with the columns of
+    ``schemas/packets.schema.json`` and :data:`TEMPLATE_COLUMN` (a hint for the renderer), some
+    computed when first read; each chunk
     sorted by ``ts_ns`` and every chunk's first ``ts_ns`` >= the previous chunk's last.
 
     Raises
@@ -885,13 +887,13 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
                 ready_out.append({k: out[k] for k in YIELDED_COLUMNS})
                 n_ready += len(out["ts_ns"])
                 if n_ready >= step:                 # yield chunks of a useful size
-                    yield _join(ready_out)
+                    yield _join_chunks(ready_out, M)
                     ready_out, n_ready = [], 0
                     step = min(chunk_packets, 2 * step)
             if grid is None:
                 break
     if ready_out:
-        yield _join(ready_out)
+        yield _join_chunks(ready_out, M)
 
 
 def _steps(M: _Messages, csum: np.ndarray, lo: int, step: int) -> int:
@@ -971,13 +973,10 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
                             pool["ts_ns"][cand]))]
         n_out = len(o3) if cut is None else int(np.searchsorted(pool["ts_ns"][o3], cut, side="left"))
         if n_out:
-            out = _take(pool, o3[:n_out], placed_cols)
-            out["dscp"], out["ecn"] = _dscp_ecn(M, out["_kind"])
-            _derive(M, out)
-            ready_out.append({c: out[c] for c in YIELDED_COLUMNS})
+            ready_out.append(_take(pool, o3[:n_out], placed_cols))
             n_ready += n_out
             if n_ready >= step:                 # yield chunks of a useful size
-                yield _join(ready_out)
+                yield _join_chunks(ready_out, M)
                 ready_out, n_ready = [], 0
                 step = min(chunk_packets, 2 * step)
         # carry: placed frames not emitted (time order), then frames not placed (ready order)
@@ -992,7 +991,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
         dep_ok[dep_ok] &= at[dep[dep_ok]] < 0               # answered frame not placed: it stays
         carry["_dep"] = np.where(dep_ok, pos[np.maximum(dep, 0)], -1)
     if ready_out:
-        yield _join(ready_out)
+        yield _join_chunks(ready_out, M)
 
 
 def _dscp_ecn(M: _Messages, kind: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1044,6 +1043,54 @@ def _derive(M: _Messages, p: dict) -> None:
     p["msn"] = msn
 
 
+LAZY = DERIVED + ("dscp", "ecn")
+"""Columns a :class:`PacketChunk` computes when first read."""
+
+
+class PacketChunk(Mapping):
+    """One chunk of the packets table (:data:`YIELDED_COLUMNS`) as packetize yields it: the
+    columns in :data:`LAZY` are computed from the frames' messages when first read, so that a
+    capture writer, which reads few of them for most rows, does not pay for them.
+
+    A read-only mapping of column name -> ``(n,)`` array (``dict(chunk)`` or ``chunk.items()``
+    give every column); :meth:`take_rows` selects rows without computing what is not read."""
+
+    __slots__ = ("_cols", "_M")
+
+    def __init__(self, cols: dict, M: _Messages):
+        self._cols = cols
+        self._M = M
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in YIELDED_COLUMNS:
+            raise KeyError(name)
+        if name not in self._cols:
+            self._fill()
+        return self._cols[name]
+
+    def __iter__(self):
+        return iter(YIELDED_COLUMNS)
+
+    def __len__(self) -> int:
+        return len(YIELDED_COLUMNS)
+
+    def __contains__(self, name) -> bool:
+        return name in YIELDED_COLUMNS
+
+    def _fill(self) -> None:
+        c = self._cols
+        c["dscp"], c["ecn"] = _dscp_ecn(self._M, c["_kind"])
+        _derive(self._M, c)
+
+    def take_rows(self, rows) -> "PacketChunk":
+        """The rows ``rows`` (indices, a mask or a slice) as a chunk of their own."""
+        return PacketChunk({k: v[rows] for k, v in self._cols.items()}, self._M)
+
+
+def _join_chunks(parts: list[dict], M: _Messages) -> PacketChunk:
+    return PacketChunk(_join(parts), M)
+
+
 def _join(parts: list[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
@@ -1085,4 +1132,4 @@ def _place(links: _Links, pool: dict, k: int, extra: dict) -> tuple[dict, dict]:
     return sub, stay
 
 
-__all__ = ["packetize", "PACKET_COLUMNS", "OPCODE_TABLE", "CREDIT_CODE", "ACK_SYNDROME"]
+__all__ = ["packetize", "PacketChunk", "PACKET_COLUMNS", "OPCODE_TABLE", "CREDIT_CODE", "ACK_SYNDROME"]

@@ -36,6 +36,8 @@ fields that differ (:func:`_render_roce_templated`); a writer can send the paylo
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..plan import Plan
@@ -63,19 +65,35 @@ def _be(v: np.ndarray, k: int) -> np.ndarray:
 
 
 class _Frames:
-    """Column views of the packets table with the quantities every layout needs."""
+    """Column views of the packets table with the quantities every layout needs (``dst`` and
+    ``ext_len`` read when first used: a chunk may compute its columns on demand)."""
 
     def __init__(self, packets, topo: Topology, plan: Plan, snaplen: int):
         self.n = len(packets["ts_ns"])
+        self._packets = packets
         # the packets table's own dtypes (int32 lengths and NIC indices): views, not copies
         self.opcode = _col(packets, "opcode", np.uint8)
         self.frame_len = _col(packets, "frame_len", np.int32)
         self.payload = _col(packets, "payload_len", np.int32)
         self.pad = _col(packets, "pad", np.int32)
         self.src = _col(packets, "src_nic", np.int32)
-        self.dst = _col(packets, "dst_nic", np.int32)
         self.caplen = self.frame_len if snaplen <= 0 else np.minimum(self.frame_len, np.int32(snaplen))
-        self.ext_len = H.EXT_LEN[self.opcode]
+
+    @functools.cached_property
+    def dst(self) -> np.ndarray:
+        return _col(self._packets, "dst_nic", np.int32)
+
+    @functools.cached_property
+    def ext_len(self) -> np.ndarray:
+        return H.EXT_LEN[self.opcode]
+
+
+def _rows(packets, rows) -> dict:
+    """Rows ``rows`` of a packets table (a chunk computes only the columns then read)."""
+    take = getattr(packets, "take_rows", None)
+    if take is not None:
+        return take(rows)
+    return {k: np.asarray(v)[rows] for k, v in packets.items()}
 
 
 def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix: int = 0,
@@ -126,7 +144,7 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
     # inside the snap length (ACKs, CNPs, short frames) are computed once for the whole chunk.
     for lo in range(0, n, BLOCK_ROWS):
         hi = min(n, lo + BLOCK_ROWS)
-        sub = {k: np.asarray(v)[lo:hi] for k, v in packets.items()}
+        sub = _rows(packets, slice(lo, hi))
         Fb = _Frames(sub, topo, plan, snaplen)
         if v4_roce:
             _render_roce(slots[lo:hi], prefix, Fb, sub, topo, plan, crc=False, payload=payload)
@@ -209,7 +227,7 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     reps = rep
     other = np.flatnonzero(~ok)
     rows = np.concatenate([reps, other])
-    sub = {k: np.asarray(v)[rows] for k, v in packets.items()}
+    sub = _rows(packets, rows)
     Fo = _Frames(sub, topo, plan, 0)
     Fo.caplen = F.caplen[rows]
     block = np.empty((len(rows), width), dtype=np.uint8)
@@ -606,7 +624,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, p
         rows = np.nonzero(grh == with_grh)[0]
         if not len(rows):
             continue
-        sub = _Frames({k: np.asarray(v)[rows] for k, v in packets.items()}, topo, plan, 0)
+        sub = _Frames(_rows(packets, rows), topo, plan, 0)
         sub.caplen = F.caplen[rows]
         m = len(rows)
         block = np.empty((m, width), dtype=np.uint8)
@@ -626,7 +644,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, p
                              "psn": (psn[rows] & 0xFFFFFF).astype(np.uint32)})
         _put(block, off, bth)
         ext_off = off + H.BTH.length
-        sub_packets = {k: np.asarray(v)[rows] for k, v in packets.items()}
+        sub_packets = _rows(packets, rows)
         _fill_ext_and_payload(block, ext_off, sub, sub_packets, payload)
 
         icrc_pos = prefix + sub.frame_len - H.ICRC_LEN - H.VCRC_LEN
