@@ -120,19 +120,15 @@ class Crc:
         holding one value in every row contributes a constant, computed once."""
         n, width = buf.shape
         pos = self._position_tables(width)
-        const = int(self.shift(np.array([state], dtype=self.dtype), width)[0])
-        s = None
-        for j in range(width):
-            col = buf[:, j]
-            c0 = col[0]
-            if not (col != c0).any():
-                const ^= int(pos[j, c0])
-            else:
-                v = pos[j][col]
-                s = v if s is None else (s ^ v)
-        if s is None:
+        const = self.shift(np.array([state], dtype=self.dtype), width)[0]
+        same = (buf == buf[0]).all(axis=0)
+        cj = np.flatnonzero(same)
+        if len(cj):
+            const ^= np.bitwise_xor.reduce(pos[cj, buf[0, cj]])
+        vj = np.flatnonzero(~same)
+        if not len(vj):
             return np.full(n, const, dtype=self.dtype)
-        return s ^ self.dtype.type(const)
+        return np.bitwise_xor.reduce(pos[vj, buf[:, vj]], axis=1) ^ const
 
     @functools.lru_cache(maxsize=64)
     def _position_tables(self, width: int) -> np.ndarray:
@@ -192,6 +188,8 @@ class Crc:
             k = int(k)
             return state.copy() if k == 0 else self._apply(get(k), state)
         k = np.asarray(k, dtype=np.int64)
+        if len(k) and (k == k[0]).all():                 # one shift for every row (common)
+            return self.shift(state, int(k[0]), inverse)
         out = state.copy()
         ks, inv = np.unique(k, return_inverse=True)
         for i, kk in enumerate(ks):
@@ -255,7 +253,10 @@ def tail_register(crc: Crc, pattern: np.ndarray, payload_len: np.ndarray, pad: n
     out = np.zeros(len(key), dtype=crc.dtype)
     if not len(key):
         return out
-    ks, inv = np.unique(key, return_inverse=True)
+    if (key == key[0]).all():                           # one (length, pad) pair (common)
+        ks, inv = key[:1], np.zeros(len(key), dtype=np.intp)
+    else:
+        ks, inv = np.unique(key, return_inverse=True)
     pat = pattern.tobytes()
     vals = np.array([_tail_register_cached(crc.name, pat, int(k) >> 2, int(k) & 3) for k in ks],
                     dtype=crc.dtype)

@@ -342,8 +342,9 @@ def _icrc_values(ip_on: np.ndarray, rows: np.ndarray, headers: int, F: _Frames, 
     ``headers`` bytes of IP, UDP and BTH, then the extension headers; the payload and pad are
     folded in from their deterministic pattern (CRC linearity), one group per extension length."""
     vals = np.zeros(len(rows), dtype=np.uint32)
-    for el in np.unique(F.ext_len[rows]).tolist():
-        sel = F.ext_len[rows] == el
+    ext = F.ext_len[rows]
+    for el in np.flatnonzero(np.bincount(ext)).tolist():      # distinct extension lengths
+        sel = ext == el
         g = rows[sel]
         masked = C.mask_rocev2(ip_on[g, :headers + el], ip_version)
         state = C.CRC32.update(C._STATE_AFTER_PSEUDO_LRH, masked)
