@@ -316,12 +316,17 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
     span = M.t_end[sl] - M.latency - M.t_start[sl]
     own = np.ceil(msg_total * 8 / M.rate * 1e9).astype(np.int64)
     span = np.maximum(span, own)                            # never faster than the line rate
-    before = k * np.repeat(w_mid, npk) + np.where(k > 0, np.repeat(w_first - w_mid, npk), 0)
+    before = k * _per_packet(w_mid, npk)
+    before += _per_packet(w_first - w_mid, npk)
+    before[starts] = 0
     # span * before / total without overflowing int64: (span // total) * before + the remainder
     total_b = np.maximum(msg_total, 1)
     whole, rest = np.divmod(span, total_b)
-    ts = (rep(M.t_start) + np.repeat(whole, npk) * before
-          + (np.repeat(rest, npk) * before) // np.repeat(total_b, npk))
+    ts = _per_packet(rest, npk) * before
+    ts //= _per_packet(total_b, npk)
+    ts += rep(M.t_start)
+    if whole.any():                                          # slower than the line rate
+        ts += _per_packet(whole, npk) * before
 
     psn = (rep(M.psn0) + k) & (PSN_MOD - 1)
     is_read = M.is_read[sl]
@@ -398,6 +403,14 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
     if n0:
         parts.insert(0, carry)
     return {k: np.concatenate([q[k] for q in parts]) for k in (cols or parts[-1])}
+
+
+def _per_packet(v: np.ndarray, npk: np.ndarray):
+    """``v`` (one value per message) repeated for each message's packets, or the one value
+    when all messages share it (a scalar broadcasts at no cost)."""
+    if len(v) and (v == v[0]).all():
+        return v[0]
+    return np.repeat(v, npk)
 
 
 class _Marker:
