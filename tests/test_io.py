@@ -243,6 +243,31 @@ def test_frames_rendered_in_small_pieces_give_the_same_files(tmp_path, roce, mon
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
+@pytest.mark.parametrize("snaplen,max_file_size", [(0, None), (70, None), (0, 6_000)])
+def test_rendering_on_the_callers_thread_gives_the_same_files(tmp_path, roce, monkeypatch, snaplen, max_file_size):
+    """With one usable CPU (``taskset -c 0``) frames are rendered on the caller's thread instead
+    of a rendering thread: the files are byte for byte the same, rotated or not."""
+    import wiretrace.io.write as W
+
+    plan, topo, p = roce
+    chunks = [{k: np.asarray(v)[i:i + 40] for k, v in p.items()} for i in range(0, len(p["ts_ns"]), 40)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert W.usable_cpus() >= 1
+    write_capture(a / "x.pcap", iter(chunks), topo, plan, snaplen=snaplen, max_file_size=max_file_size)
+    threads = []
+    real = W.ThreadPoolExecutor.submit
+    monkeypatch.setattr(W.ThreadPoolExecutor, "submit", lambda self, fn, *x: threads.append(fn.__name__) or
+                        real(self, fn, *x))
+    monkeypatch.setattr(W, "usable_cpus", lambda: 1)
+    write_capture(b / "x.pcap", iter(chunks), topo, plan, snaplen=snaplen, max_file_size=max_file_size)
+    assert threads and "render" not in threads           # only writes go to a thread
+    names = sorted(f.name for f in a.iterdir())
+    assert names == sorted(f.name for f in b.iterdir())
+    assert (len(names) > 1) == (max_file_size is not None)
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
 @pytest.mark.parametrize("fmt,split,snaplen,kind", [("pcap", None, 0, "rocev2"), ("pcapng", "nic", 0, "rocev2"),
                                                     ("erf", None, 1000, "rocev2"), ("erf", None, 0, "ib"),
                                                     ("pcapng", None, 0, "ib")])

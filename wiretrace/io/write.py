@@ -348,6 +348,14 @@ def _append_rotating(f: _File, rotate: Callable[[], _File], slots: np.ndarray, r
     return f
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. under ``taskset``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                  max_file_size: int | None = None,
                  progress: Callable[[int], None] | None = None) -> dict:
@@ -377,7 +385,7 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         _append_rotating(files[-1], rotate, slots, reclen, max_file_size, holes)
 
     # Three stages overlap: the caller's generator (packetize, Parquet) on this thread, rendering
-    # on one worker, os.writev on another (NumPy loops and writev release the GIL). Three slot
+    # on one worker (on this thread when only one CPU is usable), os.writev on another (NumPy loops and writev release the GIL). Three slot
     # buffers circulate between renderer and writer and at most two chunks wait for rendering,
     # so memory stays bounded.
     free: queue.Queue = queue.Queue()
@@ -409,6 +417,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
 
     inflight: list[Future] = []
     packets = 0
+    # With one CPU to run on, a rendering thread only adds GIL hand-offs between it and the
+    # caller's NumPy work: render on the caller's thread.
+    inline = usable_cpus() < 2
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as writer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-render") as renderer:
         try:
@@ -417,9 +428,12 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
                 n = len(chunk["ts_ns"])
                 if n == 0:
                     continue
-                while len(inflight) >= 2:
-                    inflight.pop(0).result()
-                inflight.append(renderer.submit(render, chunk))
+                if inline:
+                    render(chunk)
+                else:
+                    while len(inflight) >= 2:
+                        inflight.pop(0).result()
+                    inflight.append(renderer.submit(render, chunk))
                 packets += n
                 if progress:
                     progress(packets)
