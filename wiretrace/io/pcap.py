@@ -53,11 +53,12 @@ class Pcap(Format):
         ts = np.asarray(chunk["ts_ns"], dtype=np.int64)
         # the record header as two little-endian 64-bit words per row: (seconds, nanoseconds)
         # and (captured length, original length)
-        sec = ts // 1_000_000_000               # (np.divmod is several times slower)
+        s0, s1 = (int(ts.min()) // 1_000_000_000, int(ts.max()) // 1_000_000_000) if n else (0, 0)
+        # one second for the whole chunk (most chunks): a scalar, no division per row
+        sec = np.int64(s0) if s0 == s1 else ts // 1_000_000_000   # (np.divmod is several times slower)
         if slots.strides[-1] == 1:
             # in place, without temporaries: nanoseconds << 32 | seconds, origlen << 32 | caplen
-            w0 = sec * -1_000_000_000
-            w0 += ts
+            w0 = ts - sec * 1_000_000_000
             w0 <<= 32
             w0 |= sec
             w1 = np.asarray(origlen, dtype=np.int64) + self.erf_len
