@@ -398,7 +398,7 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
     n0 = len(carry["ts_ns"]) if carry is not None else 0
     for q in parts:
         q["_ots"] = q["ts_ns"]
-        if n0:
+        if n0 and not (q is data and not len(rr)):          # data rows answer only READs
             q["_dep"] = np.where(q["_dep"] >= 0, q["_dep"] + n0, -1)
     if n0:
         parts.insert(0, carry)
@@ -962,7 +962,8 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
         o1 = n_on + _lexsort((pool["psn"][n_on:], _KIND_RANK[pool["_kind"][n_on:]], pool["_ots"][n_on:]))
         k = len(o1) if cut is None else int(np.searchsorted(pool["_ots"][o1], cut, side="left"))
         now, wait = o1[:k], o1[k:]
-        at = np.full(n, -1, dtype=np.int64)                # pool row -> place in serving order
+        at = np.empty(n, dtype=np.int64)                   # placed pool row -> place in serving order
+        on_link = np.zeros(n, dtype=bool)                  # pool row placed in this step
         if k:
             nic = pool["src_nic"][now]
             if len(links.busy) <= 1 << 16:
@@ -970,6 +971,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
             else:
                 srv = now[np.argsort(nic, kind="stable")]
             at[srv] = np.arange(k)
+            on_link[srv] = True
             dep = pool["_dep"][srv]
             has = np.flatnonzero(dep >= 0)
             st = links.settle(pool["src_nic"][srv], pool["frame_len"][srv],
@@ -986,7 +988,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
             # frames that stay and answer a placed frame leave no earlier than its arrival
             dw = pool["_dep"][wait]
             on = np.flatnonzero(dw >= 0)
-            on = on[at[dw[on]] >= 0]
+            on = on[on_link[dw[on]]]
             if len(on):
                 d = dw[on]
                 arrive = links.arrival_ns(pool["ts_ns"][d], pool["frame_len"][d])
@@ -1007,13 +1009,16 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
         keep = np.concatenate([o3[n_out:], wait])
         carry = _take(pool, keep)
         n_on = len(o3) - n_out
-        pos = np.full(n, -1, dtype=np.int64)
-        pos[keep] = np.arange(len(keep))
         dep = carry["_dep"]
         dep_ok = dep >= 0
         dep_ok[:n_on] = False
-        dep_ok[dep_ok] &= at[dep[dep_ok]] < 0               # answered frame not placed: it stays
-        carry["_dep"] = np.where(dep_ok, pos[np.maximum(dep, 0)], -1)
+        dep_ok[dep_ok] &= ~on_link[dep[dep_ok]]             # answered frame not placed: it stays
+        if dep_ok.any():
+            pos = np.empty(n, dtype=np.int64)               # read only at rows that stay
+            pos[keep] = np.arange(len(keep))
+            carry["_dep"] = np.where(dep_ok, pos[np.maximum(dep, 0)], -1)
+        else:
+            carry["_dep"][:] = -1
     if ready_out:
         yield _join_chunks(ready_out, M)
 
