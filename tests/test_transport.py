@@ -504,6 +504,28 @@ def test_chunks_are_time_ordered_and_independent_of_chunk_size():
     tables.to_arrow("packets", big)     # every declared column, right types; private ones left out
 
 
+def test_lexsort_paths_give_numpy_lexsort_order():
+    """The packed-key sorts behind packetize's orders equal ``np.lexsort`` (ties in row order):
+    mostly sorted or shuffled rows, keys that fit 63 bits with the row index or only without it,
+    keys that do not fit at all, and known bounds (too wide ones are measured instead)."""
+    PK = importlib.import_module("wiretrace.transport.packetize")
+    rng = np.random.default_rng(3)
+    n = 5000
+    cases = {
+        "small": (rng.integers(0, 4, n), rng.integers(0, 50, n), np.sort(rng.integers(0, 10**6, n))),
+        "wide": (rng.integers(0, 1 << 24, n), rng.integers(0, 4, n), rng.integers(0, 1 << 40, n)),
+        "huge": (rng.integers(0, 1 << 40, n), rng.integers(0, 1 << 40, n), rng.integers(0, 1 << 20, n)),
+    }
+    for name, keys in cases.items():
+        want = np.lexsort(keys)
+        for runs in (True, False):
+            np.testing.assert_array_equal(PK._lexsort(keys, runs=runs), want, err_msg=f"{name} {runs}")
+        bounds = tuple((0, 1 << 41) for _ in keys)
+        np.testing.assert_array_equal(PK._lexsort(keys, bounds=bounds), want, err_msg=f"{name} bounds")
+    keys = cases["small"]
+    np.testing.assert_array_equal(PK._lexsort(keys, bounds=((0, 4), (0, 50), None)), np.lexsort(keys))
+
+
 @pytest.mark.parametrize("transport,chunk,windowed", [
     ({}, 7, False), ({}, 1 << 16, False), ({"verb": "read"}, 5, False),
     ({"ack": {"every_packets": 3}, "initial_psn": 16777000}, 11, False),

@@ -545,6 +545,8 @@ class _Marker:
 
 
 _KIND_RANK = np.array([1, 0, 2, 3], dtype=np.int64)
+_RANK_BOUNDS = (0, 4)
+_PSN_BOUNDS = (0, PSN_MOD)
 """Tie order at one timestamp: an ACK leaves before data of the same instant (a responder
 acknowledges what it received before it answers a later READ on that QP), then data, READ
 requests, CNPs."""
@@ -554,30 +556,46 @@ def _pack(keys: tuple, spans: list, los: list) -> np.ndarray:
     """``keys`` (last primary) as one int64 that sorts like them: mixed radix ``spans``."""
     packed = None
     for k, span, lo in zip(reversed(keys), reversed(spans), reversed(los)):
-        v = k.astype(np.int64) - lo if lo else k.astype(np.int64, copy=False)
-        packed = v if packed is None else packed * np.int64(span) + v
+        if packed is None:
+            packed = k.astype(np.int64)                  # a copy: modified in place below
+            if lo:
+                packed -= lo
+            continue
+        packed *= np.int64(span)
+        packed += k
+        if lo:
+            packed -= lo
     return packed
 
 
-def _lexsort(keys: tuple, runs: bool = True) -> np.ndarray:
+def _lexsort(keys: tuple, runs: bool = True, bounds: tuple | None = None) -> np.ndarray:
     """``np.lexsort(keys)`` (last key primary, ties in row order), faster when the keys' value
     ranges are small. ``runs``: the rows are mostly in order already, and one stable argsort
     (a merge sort, quick on sorted runs) of the keys packed into one int64 is used. Otherwise
     the keys and the row index are packed into one int64 and sorted by value (much faster than
     a stable argsort of shuffled rows); when all keys and the index do not fit in 63 bits, the
     keys but the first are packed with the index, and rows tied on them are sorted again by
-    (first key, index). Every path gives ``np.lexsort``'s order."""
+    (first key, index). Every path gives ``np.lexsort``'s order. ``bounds``: per key, None or
+    ``(low, span)`` known to hold all its values (saves a pass for its minimum and maximum)."""
     n = len(keys[0])
     if n < 2:
         return np.lexsort(keys)
-    los = [int(k.min()) for k in keys]
-    spans = [int(k.max()) - lo + 1 for k, lo in zip(keys, los)]
+    los, spans = [], []
+    for i, k in enumerate(keys):
+        b = bounds[i] if bounds is not None else None
+        if b is None:
+            lo = int(k.min())
+            b = (lo, int(k.max()) - lo + 1)
+        los.append(b[0])
+        spans.append(b[1])
     if runs:
         total = 1
         for span in spans:
             total *= span
         if total <= 1 << 63:
             return np.argsort(_pack(keys, spans, los), kind="stable")
+        if bounds is not None:                  # the known bounds are too wide: measure them
+            return _lexsort(keys, runs)
         return np.lexsort(keys)
     ib = (n - 1).bit_length()                  # bits of the row index
     index = np.arange(n, dtype=np.int64)
@@ -943,6 +961,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
     placed frames that start later and frames not yet placed carry over, in those orders."""
     carry = _empty()
     n_on = 0                    # carry's first n_on rows are on their links already
+    nic_bounds = (0, max(1, len(links.busy)))
     ready_out: list[dict] = []
     n_ready = 0
     lo = 0
@@ -959,7 +978,8 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
             pool = carry
         n = len(pool["ts_ns"])
         # frames not on a link, in the order they were first ready (ties: kind rank, PSN, row)
-        o1 = n_on + _lexsort((pool["psn"][n_on:], _KIND_RANK[pool["_kind"][n_on:]], pool["_ots"][n_on:]))
+        o1 = n_on + _lexsort((pool["psn"][n_on:], _KIND_RANK[pool["_kind"][n_on:]], pool["_ots"][n_on:]),
+                             bounds=(_PSN_BOUNDS, _RANK_BOUNDS, None))
         k = len(o1) if cut is None else int(np.searchsorted(pool["_ots"][o1], cut, side="left"))
         now, wait = o1[:k], o1[k:]
         at = np.empty(n, dtype=np.int64)                   # placed pool row -> place in serving order
@@ -996,7 +1016,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
         # frames on their links, in time order; those starting before the cut are final
         cand = np.concatenate([np.arange(n_on), now])
         o3 = cand[_lexsort((pool["psn"][cand], pool["src_nic"][cand], _KIND_RANK[pool["_kind"][cand]],
-                            pool["ts_ns"][cand]))]
+                            pool["ts_ns"][cand]), bounds=(_PSN_BOUNDS, nic_bounds, _RANK_BOUNDS, None))]
         n_out = len(o3) if cut is None else int(np.searchsorted(pool["ts_ns"][o3], cut, side="left"))
         if n_out:
             ready_out.append(_take(pool, o3[:n_out], placed_cols))
