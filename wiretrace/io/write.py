@@ -302,16 +302,17 @@ slot buffer stays small and is reused."""
 
 def _byte_bounded(chunk: dict, fmt: Format) -> Iterator[dict]:
     """``chunk`` cut into row ranges whose captured bytes stay near :data:`SLOT_BYTES`."""
-    fl = np.asarray(chunk["frame_len"], dtype=np.int64)
-    cap = fl if fmt.snaplen <= 0 else np.minimum(fl, fmt.snaplen)
-    width = int(cap.max()) + fmt.prefix + fmt.suffix if len(cap) else 0
-    rows = max(1, SLOT_BYTES // max(width, 1))
+    fl = np.asarray(chunk["frame_len"])
     n = len(fl)
+    longest = int(fl.max()) if n else 0
+    width = (longest if fmt.snaplen <= 0 else min(longest, fmt.snaplen)) + fmt.prefix + fmt.suffix if n else 0
+    rows = max(1, SLOT_BYTES // max(width, 1))
     if n <= rows:
         yield chunk
         return
+    take = getattr(chunk, "take_rows", None)          # a PacketChunk computes only what is read
     for lo in range(0, n, rows):
-        yield {k: np.asarray(v)[lo:lo + rows] for k, v in chunk.items()}
+        yield take(slice(lo, lo + rows)) if take else {k: np.asarray(v)[lo:lo + rows] for k, v in chunk.items()}
 
 
 def _rotated_name(path: Path, i: int) -> Path:

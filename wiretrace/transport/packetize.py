@@ -196,6 +196,7 @@ class _Messages:
         self.udp_sport = np.asarray(m["udp_sport"], dtype=np.int32)
         self.mtu = t.path_mtu
         self.npk = np.maximum(1, -(-self.bytes // self.mtu))
+        self.last_pay = self.bytes - (self.npk - 1) * self.mtu     # payload of the last packet
 
         qps = connection_qps(m, plan)
         qp_on_dst = np.asarray(m["qpn"], dtype=np.int64)
@@ -290,10 +291,13 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
     mtu = M.mtu
     b = M.bytes[sl]
     last_pay = b - (npk - 1) * mtu
-    payload = np.full(total, mtu, dtype=np.int32)
-    payload[ends] = last_pay
-    pad = np.zeros(total, dtype=np.uint8)
-    pad[ends] = (-last_pay) & 3
+    if not cols or "payload_len" in cols:
+        payload = np.full(total, mtu, dtype=np.int32)
+        payload[ends] = last_pay
+        pad = np.zeros(total, dtype=np.uint8)
+        pad[ends] = (-last_pay) & 3
+    else:                                       # computed when read (PacketChunk)
+        payload = pad = np.zeros(0, dtype=np.uint8)
     verb = M.verb[sl]
     one = npk == 1
     opcode = np.repeat(OPCODE_TABLE[verb, _POS_MIDDLE], npk)
@@ -402,7 +406,8 @@ def _expand(M: _Messages, lo: int, hi: int, carry: dict | None = None,
             q["_dep"] = np.where(q["_dep"] >= 0, q["_dep"] + n0, -1)
     if n0:
         parts.insert(0, carry)
-    return {k: np.concatenate([q[k] for q in parts]) for k in (cols or parts[-1])}
+    return {k: np.concatenate([q[k] for q in parts]) if len(parts) > 1 else parts[0][k].copy()
+            for k in (cols or parts[-1])}
 
 
 def _per_packet(v: np.ndarray, npk: np.ndarray):
@@ -874,7 +879,9 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
     grid = max(int(M.latency), 1000) if marker.on else None
     csum = np.cumsum(M.npk + 2)
     if grid is None and SINGLE_POOL:
-        yield from _packetize_unmarked(M, links, csum, chunk_packets, pool_cols, placed_cols)
+        yield from _packetize_unmarked(M, links, csum, chunk_packets,
+                                       tuple(k for k in pool_cols if k not in PAYLOAD),
+                                       tuple(k for k in placed_cols if k not in PAYLOAD))
         return
     pending = _empty()      # frames not yet on their link, by the time they are first ready
     cnps = _empty()         # CNPs not yet on their link
@@ -1092,8 +1099,32 @@ def _derive(M: _Messages, p: dict) -> None:
     p["msn"] = msn
 
 
-LAZY = DERIVED + ("dscp", "ecn")
-"""Columns a :class:`PacketChunk` computes when first read."""
+PAYLOAD = ("payload_len", "pad")
+"""Columns the runs without ECN marking do not carry either (:func:`_payload_pad`)."""
+LAZY = DERIVED + ("dscp", "ecn") + PAYLOAD
+"""Columns a :class:`PacketChunk` computes when first read (each group when one of it is)."""
+
+_POS_OF = np.full(256, 255, dtype=np.uint8)
+for _v in range(OPCODE_TABLE.shape[0]):
+    for _p in range(4):
+        _POS_OF[OPCODE_TABLE[_v, _p]] = _p
+"""Position in its message (FIRST, MIDDLE, LAST, ONLY) of each data opcode; 255 for others."""
+
+
+def _payload_pad(M: _Messages, p: dict) -> None:
+    """``payload_len`` and ``pad`` of frames ``p`` from their message and opcode: FIRST and
+    MIDDLE packets carry the path MTU, LAST and ONLY the rest, padded to 4 bytes; ACKs, READ
+    requests and CNPs none."""
+    pos = _POS_OF[p["opcode"]]
+    n = len(pos)
+    payload = np.where(pos < 2, np.int32(M.mtu), np.int32(0))
+    pad = np.zeros(n, dtype=np.uint8)
+    r = np.flatnonzero((pos == _POS_LAST) | (pos == _POS_ONLY))
+    if len(r):
+        lp = M.last_pay[p["_mi"][r]]
+        payload[r] = lp
+        pad[r] = (-lp) & 3
+    p["payload_len"], p["pad"] = payload, pad
 
 
 class PacketChunk(Mapping):
@@ -1114,7 +1145,7 @@ class PacketChunk(Mapping):
         if name not in YIELDED_COLUMNS:
             raise KeyError(name)
         if name not in self._cols:
-            self._fill()
+            self._fill(name)
         return self._cols[name]
 
     def __iter__(self):
@@ -1126,10 +1157,14 @@ class PacketChunk(Mapping):
     def __contains__(self, name) -> bool:
         return name in YIELDED_COLUMNS
 
-    def _fill(self) -> None:
+    def _fill(self, name: str) -> None:
         c = self._cols
-        c["dscp"], c["ecn"] = _dscp_ecn(self._M, c["_kind"])
-        _derive(self._M, c)
+        if name in PAYLOAD:
+            _payload_pad(self._M, c)
+        elif name in ("dscp", "ecn"):
+            c["dscp"], c["ecn"] = _dscp_ecn(self._M, c["_kind"])
+        else:
+            _derive(self._M, c)
 
     def take_rows(self, rows) -> "PacketChunk":
         """The rows ``rows`` (indices, a mask or a slice) as a chunk of their own."""

@@ -65,8 +65,9 @@ def _be(v: np.ndarray, k: int) -> np.ndarray:
 
 
 class _Frames:
-    """Column views of the packets table with the quantities every layout needs (``dst`` and
-    ``ext_len`` read when first used: a chunk may compute its columns on demand)."""
+    """Column views of the packets table with the quantities every layout needs (``dst``,
+    ``payload``, ``pad`` and ``ext_len`` read when first used: a chunk may compute its columns
+    on demand)."""
 
     def __init__(self, packets, topo: Topology, plan: Plan, snaplen: int):
         self.n = len(packets["ts_ns"])
@@ -74,10 +75,16 @@ class _Frames:
         # the packets table's own dtypes (int32 lengths and NIC indices): views, not copies
         self.opcode = _col(packets, "opcode", np.uint8)
         self.frame_len = _col(packets, "frame_len", np.int32)
-        self.payload = _col(packets, "payload_len", np.int32)
-        self.pad = _col(packets, "pad", np.int32)
         self.src = _col(packets, "src_nic", np.int32)
         self.caplen = self.frame_len if snaplen <= 0 else np.minimum(self.frame_len, np.int32(snaplen))
+
+    @functools.cached_property
+    def payload(self) -> np.ndarray:
+        return _col(self._packets, "payload_len", np.int32)
+
+    @functools.cached_property
+    def pad(self) -> np.ndarray:
+        return _col(self._packets, "pad", np.int32)
 
     @functools.cached_property
     def dst(self) -> np.ndarray:
