@@ -649,8 +649,10 @@ run time does: 4 measured fastest on the sample plans."""
 
 
 SEGMENT_LOOP = 64
-"""Up to this many NICs in a batch, :meth:`_Links._run` takes each NIC's running maximum on its
-own (one call per NIC beats three extra passes over the rows)."""
+SEGMENT_ROWS = 1024
+"""Up to :data:`SEGMENT_LOOP` NICs in a batch of at least :data:`SEGMENT_ROWS` rows per NIC,
+:meth:`_Links._run` takes each NIC's running maximum on its own (one call per NIC beats three
+extra passes over the rows; not so for the small batches of the windowed method)."""
 
 
 class _Links:
@@ -688,20 +690,23 @@ class _Links:
         ready at ``ready`` (ps), behind the links' current state. Closed form of the queue
         recursion ``start_i = max(ready_i, start_{i-1} + dur_{i-1})`` per NIC:
         ``start_i = C_i + max_{j<=i}(ready_j - C_j)`` with ``C`` the durations before ``i``."""
-        heads = np.flatnonzero(np.r_[True, nic[1:] != nic[:-1]])
+        first = np.empty(len(nic), dtype=bool)
+        first[:1] = True
+        np.not_equal(nic[1:], nic[:-1], out=first[1:])
+        heads = np.flatnonzero(first)
         c = np.cumsum(dur)
         c -= dur                       # C over all rows: within a NIC's rows only differences count
         v = ready - c
         v[heads] = np.maximum(v[heads], self.busy[nic[heads]] - c[heads])
         # running maximum within each NIC's rows: NIC by NIC when they are few, else in one
         # pass with each NIC's rows lifted above the previous NIC's
-        if len(heads) <= SEGMENT_LOOP:
+        if len(heads) <= SEGMENT_LOOP and len(v) >= SEGMENT_ROWS * len(heads):
             ends = np.r_[heads[1:], len(v)]
             for lo, hi in zip(heads.tolist(), ends.tolist()):
                 np.maximum.accumulate(v[lo:hi], out=v[lo:hi])
             v += c
             return v
-        seg = np.cumsum(np.r_[True, nic[1:] != nic[:-1]]) - 1
+        seg = np.cumsum(first) - 1
         lift = int(v.max()) - int(v.min()) + 1
         if lift * len(heads) < (1 << 62):
             off = seg.astype(np.int64) * np.int64(lift)
@@ -775,6 +780,14 @@ class _Links:
         if not n:
             return
         if self._schedule_whole(p, served=served):
+            return
+        self.schedule_windows(p)
+
+    def schedule_windows(self, p: dict) -> None:
+        """:meth:`schedule` window by window (its general method, without first trying the
+        whole chunk at once)."""
+        n = len(p["ts_ns"])
+        if not n:
             return
         nic = p["src_nic"].astype(np.int64)
         ots = p["_ots"]
@@ -1010,7 +1023,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
                 rank[now] = np.arange(k)
                 sub = _take(pool, now)
                 sub["_dep"] = np.where(sub["_dep"] >= 0, rank[np.maximum(sub["_dep"], 0)], -1)
-                links.schedule(sub)
+                links.schedule_windows(sub)
                 pool["ts_ns"][now] = sub["ts_ns"]
             # frames that stay and answer a placed frame leave no earlier than its arrival
             dw = pool["_dep"][wait]
