@@ -386,9 +386,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
         _append_rotating(files[-1], rotate, slots, reclen, max_file_size, holes)
 
     # Three stages overlap: the caller's generator (packetize, Parquet) on this thread, rendering
-    # on one worker (on this thread when only one CPU is usable), os.writev on another (NumPy loops and writev release the GIL). Three slot
-    # buffers circulate between renderer and writer and at most two chunks wait for rendering,
-    # so memory stays bounded.
+    # on one worker, os.writev on another (NumPy loops and writev release the GIL); with one
+    # usable CPU all three run on this thread. Three slot buffers circulate between renderer and
+    # writer and at most two chunks wait for rendering, so memory stays bounded.
     free: queue.Queue = queue.Queue()
     for _ in range(3):
         free.put(None)
@@ -414,12 +414,15 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
             if holes is not None and max_file_size is None:
                 # the iovecs are built here, so the I/O thread only calls writev
                 iov = _hole_iovecs(slots, np.arange(len(reclen)), reclen, holes)
-            writes.append(writer.submit(write_and_release, slots, reclen, holes, iov, flat))
+            if inline:                              # one CPU: nothing to overlap the write with
+                write_and_release(slots, reclen, holes, iov, flat)
+            else:
+                writes.append(writer.submit(write_and_release, slots, reclen, holes, iov, flat))
 
     inflight: list[Future] = []
     packets = 0
-    # With one CPU to run on, a rendering thread only adds GIL hand-offs between it and the
-    # caller's NumPy work: render on the caller's thread.
+    # With one CPU to run on, the threads only add GIL hand-offs and keep more slot buffers in
+    # use: render and write on the caller's thread, one chunk after another.
     inline = usable_cpus() < 2
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as writer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-render") as renderer:
