@@ -47,6 +47,14 @@ Output is a stream of chunks of the packets table, each sorted by ``ts_ns``, chu
 a packet is emitted only once no later message can produce an earlier one, so memory stays
 bounded by the packets in flight, not by the trace; each NIC's 'busy until' carries over from one
 chunk to the next, and the output does not depend on the chunk size.
+
+How the work is laid out (the packets are the same either way): while frames are scheduled they
+carry only what the orders and the links read, plus their message (``_mi``); the other columns
+follow from message, kind, opcode and PSN and a :class:`PacketChunk` computes them when first
+read (a capture writer reads few of them for most frames). Runs without ECN marking keep each
+expansion step's frames in one pool and move index arrays until the emitted frames are taken
+once (:func:`_packetize_unmarked`); runs with marking, whose CNPs join the links as they are
+made, take the general loop in :func:`packetize`.
 """
 
 from __future__ import annotations
