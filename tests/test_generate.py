@@ -199,6 +199,60 @@ def test_existing_output_needs_force(tmp_path: Path):
     assert target.read_bytes()[:4] == bytes.fromhex("4d3cb2a1")
 
 
+@pytest.mark.parametrize("case", ["split", "parquet", "dir_as_capture"])
+def test_force_never_deletes_files_wiretrace_did_not_write(tmp_path: Path, case):
+    """--force replaces wiretrace's own outputs only: a --split directory or a tables directory
+    holding other files, or a directory where the capture file goes, is refused (exit 2, one
+    line) and left as it was; a directory holding only wiretrace's files is replaced."""
+    plan = SAMPLES / "gpt2-small-2x4.json"
+    base = ["generate", "--plan", plan, "--window", "5ms:6ms", "-q", "--force"]
+    if case == "split":
+        target = tmp_path / "d"
+        args = base + ["-o", target, "--split", "nic", "--no-parquet"]
+    elif case == "parquet":
+        target = tmp_path / "tables"
+        args = base + ["-o", tmp_path / "x.pcap", "--parquet", target]
+    else:
+        target = tmp_path / "cap.pcap"
+        args = base + ["-o", target, "--no-parquet"]
+    if case != "dir_as_capture":
+        run_cli(*args, check=True)                        # a directory of wiretrace's own files
+        mine = sorted(p.name for p in target.iterdir())
+        assert mine and run_cli(*args).returncode == 0    # ... is replaced
+        assert sorted(p.name for p in target.iterdir()) == mine
+    (target / "sub").mkdir(parents=True, exist_ok=True)
+    (target / "sub" / "notes.txt").write_text("precious")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert ("is a directory" if case == "dir_as_capture" else "does not write") in proc.stderr
+    assert (target / "sub" / "notes.txt").read_text() == "precious"
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("transport,snaplen,noted", [({}, 40, True), ({}, 54, False),
+                                                     ({"ip_version": 6, "vlan": 7}, 70, True),
+                                                     ({"ip_version": 6, "vlan": 7}, 78, False)])
+def test_a_snaplen_before_the_end_of_the_bth_is_noted(tmp_path: Path, transport, snaplen, noted):
+    """A snap length that cuts frames inside their headers (before the BTH ends: 54 bytes for
+    IPv4, 78 for IPv6 with a VLAN tag) still writes the capture, with a note naming the bytes."""
+    plan = write_plan(tmp_path, lambda d: d["transport"].update(transport))
+    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap", "--snaplen", snaplen,
+                   "--window", "5ms:6ms", "--no-parquet")
+    assert proc.returncode == 0, proc.stderr
+    assert ("cuts every frame before the end of its BTH" in proc.stdout + proc.stderr) == noted
+
+
+@pytest.mark.parametrize("args", [["--ranks", "0-99"], ["--max-packets", "1000"]])
+def test_a_refused_run_leaves_no_directory_it_made(tmp_path: Path, args):
+    """Output directories are made for the outputs; a run refused after that removes them."""
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "a" / "b" / "x.pcap",
+                   *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert _files(tmp_path) == set() and not (tmp_path / "a").exists()
+
+
 def test_max_packets_refuses_with_estimate_and_leaves_nothing(tmp_path: Path):
     proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "iter.pcap",
                    "--max-packets", "1000")

@@ -335,7 +335,7 @@ def schedule(plan_path, from_paths, more, fmt, output, messages, force, quiet):
         raise WiretraceError("give either --plan PLAN or --from FILE [FILE ...]")
     staging = pipeline._Staging(force)
     try:
-        tmp = staging.claim(Path(output), is_dir=True)
+        tmp = staging.claim(Path(output), is_dir=True, owns=pipeline.table_file)
         if plan_path:
             plan = load(plan_path)
             from . import collectives as coll_stage

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -327,21 +328,65 @@ COMMITTED: list[Path] = []
 them, and the command line says so."""
 
 
+TABLE_FILES = frozenset({"packets.parquet", "messages.parquet", "collectives.parquet", "plan.json"})
+"""Files wiretrace writes into a tables directory."""
+_CAPTURE_FILE = re.compile(r".+\.(pcap|pcapng|erf|cap)\d*$", re.IGNORECASE)
+
+
+def table_file(p: Path) -> bool:
+    """Whether ``p`` is a file wiretrace writes into a tables directory (:data:`TABLE_FILES`)."""
+    return p.name in TABLE_FILES and p.is_file()
+
+
+def capture_file(p: Path) -> bool:
+    """Whether ``p`` is a capture file as ``--split nic`` writes them (``<name>.pcap``, rotated
+    ``<name>.pcap1`` ...)."""
+    return bool(_CAPTURE_FILE.match(p.name)) and p.is_file()
+
+
 class _Staging:
-    """Temporary output names beside the final ones; renamed on commit, removed on failure."""
+    """Temporary output names beside the final ones; renamed on commit, removed on failure
+    (with the directories made for them)."""
 
     def __init__(self, force: bool):
         self.force = force
         self.pairs: list[tuple[Path, Path]] = []
         self.committed: list[tuple[Path, Path]] = []
         self.stale: list[Path] = []
+        self.made: list[Path] = []          # directories created for the outputs, deepest last
 
-    def claim(self, final: Path, is_dir: bool = False) -> Path:
+    def claim(self, final: Path, is_dir: bool = False, owns: Callable[[Path], bool] | None = None) -> Path:
+        """A temporary name for the output ``final`` (a directory when ``is_dir``). An existing
+        ``final`` is replaced only with ``--force``, and a directory only when every entry in it
+        is one wiretrace writes there (``owns``; without it, only an empty one): ``--force``
+        never deletes files wiretrace did not write.
+
+        Raises
+        ------
+        WiretraceError : ``final`` exists without ``--force``; it is a directory where a file is
+            written, or holds other files; it cannot be created.
+        """
         final = Path(final)
         if final.exists() and not self.force:
             raise WiretraceError(f"{final} exists; pass --force to overwrite it")
+        if final.is_dir() and not final.is_symlink():
+            if not is_dir:
+                raise WiretraceError(f"{final} is a directory; expected a file name for the capture "
+                                     f"(--split nic writes one file per NIC into a directory)")
+            foreign = sorted(e.name for e in final.iterdir() if owns is None or not owns(e))
+            if foreign:
+                more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+                raise WiretraceError(f"{final} holds files wiretrace does not write there "
+                                     f"({', '.join(foreign[:3])}{more}); --force replaces only wiretrace's "
+                                     f"own outputs: move them or choose another directory")
         try:
+            missing = []
+            up = final.parent
+            while not up.exists():
+                missing.append(up)
+                up = up.parent
             final.parent.mkdir(parents=True, exist_ok=True)
+            self.made.extend(reversed(missing))
             if is_dir:
                 tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
             else:
@@ -383,7 +428,7 @@ class _Staging:
             for path in self.stale:
                 path.unlink(missing_ok=True)
             COMMITTED.extend(final for _, final in self.committed)
-            self.pairs, self.stale = [], []
+            self.pairs, self.stale, self.made = [], [], []
         finally:
             if held is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
@@ -395,6 +440,12 @@ class _Staging:
             else:
                 tmp.unlink(missing_ok=True)
         self.pairs = []
+        for d in reversed(self.made):           # deepest first; only if nothing else is in it
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        self.made = []
 
 
 def largest_frame(plan: Plan) -> int:
@@ -483,12 +534,19 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         parquet_dir = output.with_name(output.stem + ".parquet")
     staging = _Staging(force)
     try:
-        cap_tmp = staging.claim(output, is_dir=(split == "nic"))
-        pq_tmp = staging.claim(Path(parquet_dir), is_dir=True) if write_parquet else None
+        cap_tmp = staging.claim(output, is_dir=(split == "nic"), owns=capture_file)
+        pq_tmp = staging.claim(Path(parquet_dir), is_dir=True, owns=table_file) if write_parquet else None
 
         tick("schedule", 0)
         measured = build_collectives(plan, schedule)
         summary.notes.extend(measured.notes)
+        from .transport import layout
+
+        through_bth = layout.base_header_len(plan)
+        if 0 < snaplen < through_bth:
+            summary.notes.append(f"--snaplen {snaplen} cuts every frame before the end of its BTH (this plan's "
+                                 f"headers through the BTH take {through_bth} bytes), so `wiretrace validate` "
+                                 f"can check nothing; 128 keeps every header")
         suffix_fmt = SUFFIX_FORMATS.get(Path(output).suffix.lower())
         if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
             summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
