@@ -494,26 +494,26 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
         return f
 
     def put(chunk: dict) -> None:
-        slots, reclen, holes = _records(fmt, chunk, buf[0])
-        if buf[0] is None or buf[0].size < slots.size:
-            buf[0] = slots.reshape(-1)
+        # the chunk's rows grouped by NIC (in time order within a NIC) before rendering, so that
+        # each NIC's records are one run of rows: a few iovecs per NIC, not one per record
         src = np.asarray(chunk["src_nic"], dtype=np.int64)
         order = np.argsort(src, kind="stable")
         s = src[order]
+        if (order != np.arange(len(order))).any():
+            take = getattr(chunk, "take_rows", None)
+            chunk = take(order) if take else {k: np.asarray(v)[order] for k, v in chunk.items()}
+        slots, reclen, holes = _records(fmt, chunk, buf[0])
+        if buf[0] is None or buf[0].size < slots.size:
+            buf[0] = slots.reshape(-1)
         bounds = np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])
         for i in range(len(bounds) - 1):      # one iteration per NIC present in the chunk
-            rows = order[bounds[i]:bounds[i + 1]]
-            nic = int(s[bounds[i]])
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            nic = int(s[lo])
             f = writers.get(nic)
             if f is None:
                 f = open_file(nic)
-            h = None if holes is None else (holes[0][rows], holes[1][rows])
-            if _WRITEV is not None and slots.flags.c_contiguous:
-                f = _append_rotating(f, lambda nic=nic: open_file(nic), slots, reclen[rows], max_file_size,
-                                     h, rows)
-            else:
-                f = _append_rotating(f, lambda nic=nic: open_file(nic), np.ascontiguousarray(slots[rows]),
-                                     reclen[rows], max_file_size)
+            h = None if holes is None else (holes[0][lo:hi], holes[1][lo:hi])
+            f = _append_rotating(f, lambda nic=nic: open_file(nic), slots[lo:hi], reclen[lo:hi], max_file_size, h)
             writers[nic] = f
             lru.pop(nic, None)
             lru[nic] = f
