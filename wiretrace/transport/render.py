@@ -90,6 +90,14 @@ class _Frames:
     def dst(self) -> np.ndarray:
         return _col(self._packets, "dst_nic", np.int32)
 
+    def payload_pad(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``payload`` and ``pad`` of ``rows`` (``(k,)`` int32 each), without computing them for
+        every row of a chunk that computes columns on demand."""
+        if "payload" in self.__dict__ or not hasattr(self._packets, "take_rows"):
+            return self.payload[rows], self.pad[rows]
+        sub = self._packets.take_rows(rows)
+        return _col(sub, "payload_len", np.int32), _col(sub, "pad", np.int32)
+
     @functools.cached_property
     def ext_len(self) -> np.ndarray:
         return H.EXT_LEN[self.opcode]
@@ -421,8 +429,8 @@ def _scatter_trailer(slots, rows: np.ndarray, pos: np.ndarray, data: np.ndarray,
 
 def _tail(crc: C.Crc, F: _Frames, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(bytes after the headers, register contribution) of payload + pad of ``rows``."""
-    k = F.payload[rows] + F.pad[rows]
-    return k, C.tail_register(crc, PAYLOAD_PATTERN, F.payload[rows], F.pad[rows])
+    pay, pad = F.payload_pad(rows)
+    return pay + pad, C.tail_register(crc, PAYLOAD_PATTERN, pay, pad)
 
 
 def _ext_rows(F: _Frames, packets, code: int, rows: np.ndarray) -> np.ndarray:
