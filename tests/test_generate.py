@@ -231,6 +231,48 @@ def test_force_never_deletes_files_wiretrace_did_not_write(tmp_path: Path, case)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("case", ["capture_named_file", "rotation_dir", "rotation_taken", "same_path",
+                                  "tables_hold_capture", "file_for_dir", "dir_without_force"])
+def test_outputs_that_are_not_wiretraces_are_refused_up_front(tmp_path: Path, case):
+    """More ways an output could clobber what the user has: a file of theirs named like a
+    capture in a --split directory, a directory at a rotation name, a rotation name taken
+    (without --force: refused before anything is written), --parquet and -o on one path or
+    nested, a file where a directory goes, an existing directory for the capture. Each is one
+    line, exit 2, and the directory looks as before: no temporary files either."""
+    plan = SAMPLES / "gpt2-small-2x4.json"
+    base = ["generate", "--plan", plan, "--window", "5ms:6ms", "-q"]
+    force = ["--force"]
+    if case == "capture_named_file":
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "switch-mirror.pcap").write_text("mine")
+        args = ["-o", tmp_path / "d", "--split", "nic", "--no-parquet"] + force
+    elif case == "rotation_dir":
+        (tmp_path / "it.pcap1").mkdir()
+        (tmp_path / "it.pcap1" / "thesis.tex").write_text("mine")
+        args = ["-o", tmp_path / "it.pcap", "--snaplen", "0", "--max-file-size", "2MB", "--no-parquet"] + force
+    elif case == "rotation_taken":
+        (tmp_path / "it.pcap2").write_text("mine")
+        args = ["-o", tmp_path / "it.pcap", "--snaplen", "0", "--max-file-size", "2MB", "--no-parquet"]
+    elif case == "same_path":
+        args = ["-o", tmp_path / "x.pcap", "--parquet", tmp_path / "x.pcap"]
+    elif case == "tables_hold_capture":
+        args = ["-o", tmp_path / "c" / "x.pcap", "--parquet", tmp_path / "c"]
+    elif case == "file_for_dir":
+        (tmp_path / "notes.txt").write_text("mine")
+        args = ["-o", tmp_path / "x.pcap", "--parquet", tmp_path / "notes.txt"] + force
+    else:
+        (tmp_path / "out").mkdir()
+        args = ["-o", tmp_path / "out"]
+    before = {str(p.relative_to(tmp_path)): (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    proc = run_cli(*base, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    after = {str(p.relative_to(tmp_path)): (p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    assert after == before
+    if case == "dir_without_force":
+        assert "is a directory" in proc.stderr
+
+
 @pytest.mark.parametrize("transport,snaplen,noted", [({}, 40, True), ({}, 54, False),
                                                      ({"ip_version": 6, "vlan": 7}, 70, True),
                                                      ({"ip_version": 6, "vlan": 7}, 78, False)])

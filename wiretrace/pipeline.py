@@ -14,6 +14,7 @@ produces packets in bounded, time-ordered chunks.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -330,18 +331,18 @@ them, and the command line says so."""
 
 TABLE_FILES = frozenset({"packets.parquet", "messages.parquet", "collectives.parquet", "plan.json"})
 """Files wiretrace writes into a tables directory."""
-_CAPTURE_FILE = re.compile(r".+\.(pcap|pcapng|erf|cap)\d*$", re.IGNORECASE)
+_CAPTURE_FILE = re.compile(r"node\d+-mlx5_\d+\.(pcap|pcapng|erf)\d*")
 
 
 def table_file(p: Path) -> bool:
     """Whether ``p`` is a file wiretrace writes into a tables directory (:data:`TABLE_FILES`)."""
-    return p.name in TABLE_FILES and p.is_file()
+    return p.name in TABLE_FILES and p.is_file() and not p.is_symlink()
 
 
 def capture_file(p: Path) -> bool:
-    """Whether ``p`` is a capture file as ``--split nic`` writes them (``<name>.pcap``, rotated
-    ``<name>.pcap1`` ...)."""
-    return bool(_CAPTURE_FILE.match(p.name)) and p.is_file()
+    """Whether ``p`` is a capture file as ``--split nic`` writes them, named after its NIC
+    (``node0-mlx5_1.pcap``, rotated ``node0-mlx5_1.pcap1`` ...)."""
+    return bool(_CAPTURE_FILE.fullmatch(p.name)) and p.is_file() and not p.is_symlink()
 
 
 class _Staging:
@@ -367,12 +368,18 @@ class _Staging:
             written, or holds other files; it cannot be created.
         """
         final = Path(final)
+        if final.is_dir() and not final.is_symlink() and not is_dir:
+            raise WiretraceError(f"{final} is a directory; expected a file name for the capture "
+                                 f"(--split nic writes one file per NIC into a directory)")
+        if is_dir and (final.is_file() or final.is_symlink()):
+            raise WiretraceError(f"{final} is a file; expected a directory (--force replaces a "
+                                 f"directory of wiretrace's own outputs, not a file)")
+        bad_parent = next((q for q in final.parents if q.exists() and not q.is_dir()), None)
+        if bad_parent is not None:
+            raise WiretraceError(f"cannot write {final}: {bad_parent} is not a directory")
         if final.exists() and not self.force:
             raise WiretraceError(f"{final} exists; pass --force to overwrite it")
         if final.is_dir() and not final.is_symlink():
-            if not is_dir:
-                raise WiretraceError(f"{final} is a directory; expected a file name for the capture "
-                                     f"(--split nic writes one file per NIC into a directory)")
             foreign = sorted(e.name for e in final.iterdir() if owns is None or not owns(e))
             if foreign:
                 more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
@@ -401,11 +408,15 @@ class _Staging:
         self.pairs.append((tmp, final))
         return tmp
 
-    def adopt(self, tmp: Path, final: Path) -> None:
-        """Add a file written under a temporary name; refuses to replace a file without force."""
-        if final.exists() and not self.force:
-            raise WiretraceError(f"{final} exists; pass --force to overwrite it")
-        self.pairs.append((tmp, final))
+    def adopt(self, pairs: list[tuple[Path, Path]]) -> None:
+        """Add files written under temporary names, ``(temporary, final)`` (all removed on abort
+        from now on); refuses to replace a file without force, and a directory at all."""
+        self.pairs.extend(pairs)
+        for _, final in pairs:
+            if final.is_dir() and not final.is_symlink():
+                raise WiretraceError(f"{final} is a directory; a rotated capture file goes there")
+            if final.exists() and not self.force:
+                raise WiretraceError(f"{final} exists; pass --force to overwrite it")
 
     def remove_on_commit(self, path: Path) -> None:
         """Delete ``path`` (a file an earlier run left, which this run replaces) when committing."""
@@ -532,6 +543,17 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 f"record of the largest frame ({least['record_header']} + {least['frame']:,} bytes{cut})")
     if parquet_dir is None:
         parquet_dir = output.with_name(output.stem + ".parquet")
+    if write_parquet:
+        a, b = Path(os.path.abspath(output)), Path(os.path.abspath(parquet_dir))
+        if a == b or a in b.parents or b in a.parents:
+            raise WiretraceError(f"--parquet {parquet_dir} and -o {output}: the tables directory and the capture "
+                                 f"must not be the same path or inside each other")
+    if split is None and max_file_size is not None and not force:
+        taken = sorted(q.name for q in output.parent.glob(glob.escape(output.name) + "[0-9]*")
+                       if q.name[len(output.name):].isdigit()) if output.parent.is_dir() else []
+        if taken:
+            raise WiretraceError(f"{output.parent / taken[0]} exists (a rotated file of {output.name}); pass --force "
+                                 f"to overwrite it")
     staging = _Staging(force)
     try:
         cap_tmp = staging.claim(output, is_dir=(split == "nic"), owns=capture_file)
@@ -650,9 +672,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                                   max_file_size=max_file_size)
         if split is None:
             # rotated files (tcpdump -C naming): <tmp>1, <tmp>2 ... become <output>1, <output>2 ...
-            for f in map(Path, stats.get("files", [])):
-                if f != cap_tmp and f.name.startswith(cap_tmp.name):
-                    staging.adopt(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
+            staging.adopt([(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
+                           for f in map(Path, stats.get("files", []))
+                           if f != cap_tmp and f.name.startswith(cap_tmp.name)])
             # with --force, rotated files of an earlier run past the last one written go too, so
             # the set on disk is this run's
             k = max(1, len(stats.get("files", [])))
