@@ -273,17 +273,21 @@ def test_outputs_that_are_not_wiretraces_are_refused_up_front(tmp_path: Path, ca
         assert "is a directory" in proc.stderr
 
 
-@pytest.mark.parametrize("transport,snaplen,noted", [({}, 40, True), ({}, 54, False),
-                                                     ({"ip_version": 6, "vlan": 7}, 70, True),
-                                                     ({"ip_version": 6, "vlan": 7}, 78, False)])
+@pytest.mark.parametrize("transport,snaplen,noted", [({}, 40, "BTH"), ({}, 54, "RETH"), ({}, 70, None),
+                                                     ({"ip_version": 6, "vlan": 7}, 70, "BTH"),
+                                                     ({"ip_version": 6, "vlan": 7}, 81, "RETH"),
+                                                     ({"ip_version": 6, "vlan": 7}, 94, None)])
 def test_a_snaplen_before_the_end_of_the_bth_is_noted(tmp_path: Path, transport, snaplen, noted):
     """A snap length that cuts frames inside their headers (before the BTH ends: 54 bytes for
-    IPv4, 78 for IPv6 with a VLAN tag) still writes the capture, with a note naming the bytes."""
+    IPv4, 78 for IPv6 with a VLAN tag; or before the RETH ends: 70 and 94) still writes the
+    capture, with a note naming the bytes."""
     plan = write_plan(tmp_path, lambda d: d["transport"].update(transport))
     proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap", "--snaplen", snaplen,
                    "--window", "5ms:6ms", "--no-parquet")
     assert proc.returncode == 0, proc.stderr
-    assert ("cuts every frame before the end of its BTH" in proc.stdout + proc.stderr) == noted
+    out = proc.stdout + proc.stderr
+    assert ("cuts every frame before the end of its BTH" in out) == (noted == "BTH")
+    assert ("cuts the RETH" in out) == (noted == "RETH")
 
 
 @pytest.mark.parametrize("args", [["--ranks", "0-99"], ["--max-packets", "1000"]])

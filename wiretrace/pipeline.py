@@ -564,11 +564,18 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         summary.notes.extend(measured.notes)
         from .transport import layout
 
+        from .transport import headers as H
+
         through_bth = layout.base_header_len(plan)
         if 0 < snaplen < through_bth:
             summary.notes.append(f"--snaplen {snaplen} cuts every frame before the end of its BTH (this plan's "
                                  f"headers through the BTH take {through_bth} bytes), so `wiretrace validate` "
                                  f"can check nothing; 128 keeps every header")
+        elif 0 < snaplen < through_bth + H.RETH.length:
+            summary.notes.append(f"--snaplen {snaplen} cuts the RETH of FIRST and ONLY packets (headers through it "
+                                 f"take {through_bth + H.RETH.length} bytes), so `wiretrace validate` checks no DMA "
+                                 f"lengths{' or MSNs' if snaplen < through_bth + H.AETH.length else ''}; 128 keeps "
+                                 f"every header")
         suffix_fmt = SUFFIX_FORMATS.get(Path(output).suffix.lower())
         if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
             summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
