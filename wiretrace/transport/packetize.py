@@ -656,6 +656,10 @@ the result does not depend on it (answers inside a window are settled by repeate
 run time does: 4 measured fastest on the sample plans."""
 
 
+WHOLE_RETRY = 16
+"""Batches placed by the windowed method after the whole-batch method failed to settle, before
+it is tried again (:meth:`_Links.try_whole`)."""
+
 SEGMENT_LOOP = 64
 SEGMENT_ROWS = 1024
 """Up to :data:`SEGMENT_LOOP` NICs in a batch of at least :data:`SEGMENT_ROWS` rows per NIC,
@@ -684,6 +688,7 @@ class _Links:
         self.rate = M.rate
         self.wire_extra = M.wire_extra
         self.latency = np.int64(M.latency)
+        self.skip_whole = 0             # batches left to send straight to the windowed method
 
     def wire_ps(self, frame_len: np.ndarray) -> np.ndarray:
         bits = (frame_len.astype(np.int64) + self.wire_extra) * 8
@@ -787,9 +792,20 @@ class _Links:
         n = len(p["ts_ns"])
         if not n:
             return
-        if self._schedule_whole(p, served=served):
-            return
+        if self.try_whole():
+            if self._schedule_whole(p, served=served):
+                return
+            self.skip_whole = WHOLE_RETRY
         self.schedule_windows(p)
+
+    def try_whole(self) -> bool:
+        """Whether to try the whole batch at once: not for the :data:`WHOLE_RETRY` batches after
+        it failed to settle (a workload whose answers form long chains, e.g. a ring of ACK
+        dependencies, fails batch after batch; both methods give the same starts)."""
+        if self.skip_whole:
+            self.skip_whole -= 1
+            return False
+        return True
 
     def schedule_windows(self, p: dict) -> None:
         """:meth:`schedule` window by window (its general method, without first trying the
@@ -1022,11 +1038,14 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
             on_link[srv] = True
             dep = pool["_dep"][srv]
             has = np.flatnonzero(dep >= 0)
+            tried = links.try_whole()
             st = links.settle(pool["src_nic"][srv], pool["frame_len"][srv],
-                              pool["ts_ns"][srv].astype(np.int64), has, at[dep[has]])
+                              pool["ts_ns"][srv].astype(np.int64), has, at[dep[has]]) if tried else None
             if st is not None:
                 pool["ts_ns"][srv] = -(-st // 1000)
-            else:                                          # the windowed method (rare)
+            else:                                          # the windowed method
+                if tried:
+                    links.skip_whole = WHOLE_RETRY
                 rank = np.full(n, -1, dtype=np.int64)
                 rank[now] = np.arange(k)
                 sub = _take(pool, now)
