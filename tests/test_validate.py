@@ -459,10 +459,12 @@ def test_frames_cut_before_the_bth_are_not_checked_and_not_clean(tmp_path, snap)
     assert rep.non_roce_frames == not_roce
     assert rep.nothing_checked and not rep.ok
     (v,) = only(rep, "capture")
-    assert v.frame == 0 and v.message.startswith(f"nothing checked: {rep.cut_before_bth} RoCE/IB frame(s) cut")
+    assert v.frame == 0 and v.message.startswith(f"nothing checked: {rep.cut_before_bth} frame(s) cut by the snap "
+                                                 f"length before the BTH, RoCE/IB as far as")
     res = run_cli(path)
     assert res.exit_code == 1
-    assert f"0 RoCE/IB, {rep.cut_before_bth} RoCE/IB cut before the BTH" in " ".join(res.output.split())
+    assert (f"0 RoCE/IB, {rep.cut_before_bth} cut before the BTH (RoCE/IB as far as captured; not checked)"
+            in " ".join(res.output.split()))
     assert "nothing checked" in res.output and "clean" not in res.output
     doc = json.loads(run_cli(path, "--json").output)
     assert doc["nothing_checked"] is True and doc["ok"] is False and doc["cut_before_bth"] == rep.cut_before_bth
@@ -517,8 +519,8 @@ def test_native_ib_records_cut_after_the_lrh_are_not_clean(tmp_path, keep):
     assert rep.checked["length"] == 4 and rep.counts["length"] == 0
     assert rep.nothing_checked and not rep.ok
     (v,) = only(rep, "capture")
-    assert v.message == ("nothing checked: 4 RoCE/IB frame(s) cut by the snap length before the BTH "
-                         "(4 frame(s) in the capture)")
+    assert v.message == ("nothing checked: 4 frame(s) cut by the snap length before the BTH, RoCE/IB as far as "
+                         "their captured headers go (4 frame(s) in the capture)")
     res = run_cli(path)
     assert res.exit_code == 1 and "nothing checked" in res.output and "clean" not in res.output
     doc = json.loads(run_cli(path, "--json").output)
@@ -779,8 +781,9 @@ def test_generated_captures_cut_before_the_bth_are_nothing_checked(tmp_path, tra
     assert doc["frames"] == doc["cut_before_bth"] == frames and doc["roce_frames"] == 0
     assert doc["ok"] is False and doc["nothing_checked"] is True
     assert doc["violations"] == [{"frame": 0, "qp": None, "check": "capture", "message":
-                                  f"nothing checked: {frames} RoCE/IB frame(s) cut by the snap length "
-                                  f"before the BTH ({frames} frame(s) in the capture)"}]
+                                  f"nothing checked: {frames} frame(s) cut by the snap length before the "
+                                  f"BTH, RoCE/IB as far as their captured headers go ({frames} frame(s) in the "
+                                  f"capture)"}]
     text = run_cli(out)
     assert text.exit_code == 1 and "nothing checked" in text.output and "clean" not in text.output
 

@@ -876,7 +876,8 @@ def validate_capture(path: str | Path, max_violations: int = 1000,
         # a capture in which nothing could be checked is not clean
         whys = []
         if rep.cut_before_bth:
-            whys.append(f"{rep.cut_before_bth} RoCE/IB frame(s) cut by the snap length before the BTH")
+            whys.append(f"{rep.cut_before_bth} frame(s) cut by the snap length before the BTH, RoCE/IB as far "
+                        f"as their captured headers go")
         if rep.cut_before_link_header:
             whys.append(f"{rep.cut_before_link_header} frame(s) cut by the snap length inside their "
                         f"link-layer header (cannot tell whether they are RoCEv2 / InfiniBand)")
@@ -898,7 +899,8 @@ def print_report(rep: Report, show: int = 50, console=None) -> None:
         state = "[red]nothing checked[/red]"
     else:
         state = "[green]clean[/green]" if rep.ok else f"[red]{rep.total_violations} violation(s)[/red]"
-    cut = f"{rep.cut_before_bth} RoCE/IB cut before the BTH (not checked), " if rep.cut_before_bth else ""
+    cut = (f"{rep.cut_before_bth} cut before the BTH (RoCE/IB as far as captured; not checked), "
+           if rep.cut_before_bth else "")
     if rep.cut_before_link_header:
         cut += f"{rep.cut_before_link_header} cut inside the link-layer header (not checked), "
     console.print(f"[bold]{rep.path}[/bold] ({rep.format}): {rep.frames} frames, "
