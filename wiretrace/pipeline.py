@@ -14,6 +14,7 @@ produces packets in bounded, time-ordered chunks.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -452,10 +453,8 @@ class _Staging:
                 tmp.unlink(missing_ok=True)
         self.pairs = []
         for d in reversed(self.made):           # deepest first; only if nothing else is in it
-            try:
+            with contextlib.suppress(OSError):
                 d.rmdir()
-            except OSError:
-                pass
         self.made = []
 
 

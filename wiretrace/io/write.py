@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import WiretraceError
 from ..plan import Plan
 from ..topology import Topology
-from ..transport.render import PAYLOAD_PATTERN, payload_spans, render_slots, slot_runs
+from ..transport.render import PAYLOAD_PATTERN, payload_spans, render_slots, slot_runs, take_rows
 
 IOV_MAX = 1024
 MAX_OPEN_FILES = 256
@@ -310,9 +310,8 @@ def _byte_bounded(chunk: dict, fmt: Format) -> Iterator[dict]:
     if n <= rows:
         yield chunk
         return
-    take = getattr(chunk, "take_rows", None)          # a PacketChunk computes only what is read
     for lo in range(0, n, rows):
-        yield take(slice(lo, lo + rows)) if take else {k: np.asarray(v)[lo:lo + rows] for k, v in chunk.items()}
+        yield take_rows(chunk, slice(lo, lo + rows))
 
 
 def _rotated_name(path: Path, i: int) -> Path:
@@ -500,8 +499,7 @@ def write_split_nic(directory: str | Path, packet_chunks: Iterable[dict], fmt: F
         order = np.argsort(src, kind="stable")
         s = src[order]
         if (order != np.arange(len(order))).any():
-            take = getattr(chunk, "take_rows", None)
-            chunk = take(order) if take else {k: np.asarray(v)[order] for k, v in chunk.items()}
+            chunk = take_rows(chunk, order)
         slots, reclen, holes = _records(fmt, chunk, buf[0])
         if buf[0] is None or buf[0].size < slots.size:
             buf[0] = slots.reshape(-1)

@@ -930,12 +930,7 @@ def packetize(messages: dict, topo: Topology, plan: Plan, chunk_packets: int = 1
     while lo < M.n or len(pending["ts_ns"]) or len(cnps["ts_ns"]) or len(placed["ts_ns"]):
         boundary = None
         if lo < M.n:
-            base = csum[lo - 1] if lo else 0
-            hi = int(np.searchsorted(csum, base + step, side="right"))
-            hi = max(hi, lo + 1)
-            # messages starting at the same ns go together so the boundary below is strict
-            if hi < M.n:
-                hi = int(np.searchsorted(M.t_start, M.t_start[hi - 1], side="right"))
+            hi = _steps(M, csum, lo, step)
             pending = _by_ready(_expand(M, lo, hi, carry=pending, cols=pool_cols))
             # no later message makes a frame ready before the boundary; links only delay frames
             boundary = (M.t_start[hi] - M.lookback) if hi < M.n else None

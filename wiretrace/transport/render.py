@@ -95,7 +95,7 @@ class _Frames:
         every row of a chunk that computes columns on demand."""
         if "payload" in self.__dict__ or not hasattr(self._packets, "take_rows"):
             return self.payload[rows], self.pad[rows]
-        sub = self._packets.take_rows(rows)
+        sub = take_rows(self._packets, rows)
         return _col(sub, "payload_len", np.int32), _col(sub, "pad", np.int32)
 
     @functools.cached_property
@@ -103,8 +103,9 @@ class _Frames:
         return H.EXT_LEN[self.opcode]
 
 
-def _rows(packets, rows) -> dict:
-    """Rows ``rows`` of a packets table (a chunk computes only the columns then read)."""
+def take_rows(packets, rows) -> dict:
+    """Rows ``rows`` (indices, a mask or a slice) of a packets table; a
+    :class:`~wiretrace.transport.packetize.PacketChunk` computes only the columns then read."""
     take = getattr(packets, "take_rows", None)
     if take is not None:
         return take(rows)
@@ -159,7 +160,7 @@ def render_slots(packets, topo: Topology, plan: Plan, snaplen: int = 128, prefix
     # inside the snap length (ACKs, CNPs, short frames) are computed once for the whole chunk.
     for lo in range(0, n, BLOCK_ROWS):
         hi = min(n, lo + BLOCK_ROWS)
-        sub = _rows(packets, slice(lo, hi))
+        sub = take_rows(packets, slice(lo, hi))
         Fb = _Frames(sub, topo, plan, snaplen)
         if v4_roce:
             _render_roce(slots[lo:hi], prefix, Fb, sub, topo, plan, crc=False, payload=payload)
@@ -242,7 +243,7 @@ def _render_roce_templated(slots, prefix: int, F: _Frames, packets, topo: Topolo
     reps = rep
     other = np.flatnonzero(~ok)
     rows = np.concatenate([reps, other])
-    sub = _rows(packets, rows)
+    sub = take_rows(packets, rows)
     Fo = _Frames(sub, topo, plan, 0)
     Fo.caplen = F.caplen[rows]
     block = np.empty((len(rows), width), dtype=np.uint8)
@@ -640,7 +641,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, p
         rows = np.nonzero(grh == with_grh)[0]
         if not len(rows):
             continue
-        sub = _Frames(_rows(packets, rows), topo, plan, 0)
+        sub = _Frames(take_rows(packets, rows), topo, plan, 0)
         sub.caplen = F.caplen[rows]
         m = len(rows)
         block = np.empty((m, width), dtype=np.uint8)
@@ -660,7 +661,7 @@ def _render_ib(slots, prefix, F: _Frames, packets, topo: Topology, plan: Plan, p
                              "psn": (psn[rows] & 0xFFFFFF).astype(np.uint32)})
         _put(block, off, bth)
         ext_off = off + H.BTH.length
-        sub_packets = _rows(packets, rows)
+        sub_packets = take_rows(packets, rows)
         _fill_ext_and_payload(block, ext_off, sub, sub_packets, payload)
 
         icrc_pos = prefix + sub.frame_len - H.ICRC_LEN - H.VCRC_LEN
