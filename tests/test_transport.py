@@ -526,6 +526,107 @@ def test_lexsort_paths_give_numpy_lexsort_order():
     np.testing.assert_array_equal(PK._lexsort(keys, bounds=((0, 4), (0, 50), None)), np.lexsort(keys))
 
 
+class _Wire:
+    """Link parameters for :class:`_Links` in the tests: 400 Gb/s, 20 bytes of preamble, SFD,
+    FCS and gap per frame, 2 us hop latency."""
+    rate = 400e9
+    wire_extra = 20
+    latency = 2000
+
+    def wire_ns(self, frame_len):
+        return np.ceil((np.asarray(frame_len, dtype=np.int64) + 20) * 8 / 400e9 * 1e9).astype(np.int64)
+
+
+def links_oracle(p: dict, n_nics: int) -> np.ndarray:
+    """Start times (ns) by a frame-by-frame simulation of the rules :class:`_Links` states: frames
+    taken in the order they were first ready (ties: ACK, data, READ request, CNP; then PSN; then
+    row), each starting (in ps) no earlier than it is ready, than its NIC's link is free, and
+    (an answer) than what it answers has arrived (its start rounded up to the ns, its on-wire
+    time, one latency)."""
+    rank = np.array([1, 0, 2, 3])[p["_kind"]]
+    order = np.lexsort((p["psn"], rank, p["_ots"]))
+    busy = [None] * n_nics
+    start_ps = {}
+    wire = _Wire()
+    for i in order.tolist():
+        ready = int(p["ts_ns"][i])
+        d = int(p["_dep"][i])
+        if d >= 0:
+            ready = max(ready, -(-start_ps[d] // 1000) + int(wire.wire_ns([p["frame_len"][d]])[0]) + 2000)
+        st = ready * 1000
+        nic = int(p["src_nic"][i])
+        if busy[nic] is not None:
+            st = max(st, busy[nic])
+        bits = (int(p["frame_len"][i]) + 20) * 8
+        busy[nic] = st + int(np.ceil(bits * (1e12 / 400e9)))
+        start_ps[i] = st
+    return np.array([-(-start_ps[i] // 1000) for i in range(len(order))], dtype=np.int64)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_link_schedules_equal_a_frame_by_frame_simulation(seed):
+    """The windowed schedule (given rows in serving order, or shuffled) and the whole-batch one
+    give the starts of a plain frame-by-frame simulation, with answers chained over several hops
+    (an answer delays the frames behind it on its NIC, whose answers are delayed in turn)."""
+    PK = importlib.import_module("wiretrace.transport.packetize")
+    rng = np.random.default_rng(seed)
+    n, nics = 3000, 6
+    ots = np.sort(rng.integers(0, 400_000, n)).astype(np.int64)
+    kind = rng.choice([0, 1, 2], n, p=[0.6, 0.3, 0.1]).astype(np.uint8)
+    dep = np.full(n, -1, dtype=np.int64)
+    for i in np.flatnonzero(kind == 1).tolist():        # an ACK answers a frame a hop or more earlier
+        cand = np.flatnonzero(ots[:i] <= ots[i] - 2000)
+        if len(cand):
+            dep[i] = int(rng.choice(cand[-50:]))
+    p = {"ts_ns": ots.copy(), "_ots": ots, "src_nic": rng.integers(0, nics, n).astype(np.int32),
+         "psn": rng.integers(0, 1 << 24, n).astype(np.int32), "_kind": kind, "_dep": dep,
+         "frame_len": rng.choice([62, 1086, 4154], n).astype(np.int32)}
+    rank = np.array([1, 0, 2, 3])[kind]
+    served = np.lexsort((p["psn"], rank, ots))
+    at = np.empty(n, dtype=np.int64)
+    at[served] = np.arange(n)
+
+    def rows(order):
+        q = {k: v[order] for k, v in p.items()}
+        q["_dep"] = np.where(q["_dep"] >= 0, at_of(order)[np.maximum(q["_dep"], 0)], -1)
+        return q
+
+    def at_of(order):
+        a = np.empty(n, dtype=np.int64)
+        a[order] = np.arange(n)
+        return a
+
+    want = links_oracle(p, nics)
+    assert (dep >= 0).sum() > 500 and len(np.unique(want)) > n // 2
+    shuffled = rng.permutation(n)
+    for order, how in ((served, "served"), (shuffled, "shuffled")):
+        for method in ("windows", "whole"):
+            q = rows(order)
+            links = PK._Links(nics, _Wire())
+            if method == "windows":
+                links.schedule_windows(q, served=how == "served")
+            else:
+                assert links._schedule_whole(q, max_passes=10_000, served=how == "served")
+            np.testing.assert_array_equal(q["ts_ns"], want[order], err_msg=f"{method} {how}")
+
+
+def test_segmented_running_maximum_with_and_without_the_lift():
+    """:meth:`_Links._run_segments` equals a per-segment running maximum, also when the values
+    are too wide for the one-pass lift and each segment is taken on its own."""
+    PK = importlib.import_module("wiretrace.transport.packetize")
+    rng = np.random.default_rng(4)
+    for scale in (10**6, 1 << 61):
+        v = rng.integers(-scale, scale, 1000, dtype=np.int64)
+        h = np.r_[0, np.sort(rng.choice(np.arange(1, 1000), 30, replace=False))]
+        seg = np.cumsum(np.isin(np.arange(1000), h)) - 1 + 7
+        floor = rng.integers(-scale, scale, len(h), dtype=np.int64)
+        want = v.copy()
+        want[h] = np.maximum(want[h], floor)
+        for lo, hi in zip(h.tolist(), h[1:].tolist() + [1000]):
+            want[lo:hi] = np.maximum.accumulate(want[lo:hi])
+        np.testing.assert_array_equal(PK._Links._run_segments(v.copy(), h, floor, seg), want, err_msg=str(scale))
+
+
 @pytest.mark.parametrize("transport,chunk,windowed", [
     ({}, 7, False), ({}, 1 << 16, False), ({"verb": "read"}, 5, False),
     ({"ack": {"every_packets": 3}, "initial_psn": 16777000}, 11, False),

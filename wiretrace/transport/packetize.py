@@ -709,24 +709,9 @@ class _Links:
         heads = np.flatnonzero(first)
         c = np.cumsum(dur)
         c -= dur                       # C over all rows: within a NIC's rows only differences count
-        v = ready - c
-        v[heads] = np.maximum(v[heads], self.busy[nic[heads]] - c[heads])
-        # running maximum within each NIC's rows: NIC by NIC when they are few, else in one
-        # pass with each NIC's rows lifted above the previous NIC's
-        if len(heads) <= SEGMENT_LOOP and len(v) >= SEGMENT_ROWS * len(heads):
-            ends = np.r_[heads[1:], len(v)]
-            for lo, hi in zip(heads.tolist(), ends.tolist()):
-                np.maximum.accumulate(v[lo:hi], out=v[lo:hi])
-            v += c
-            return v
-        seg = np.cumsum(first) - 1
-        lift = int(v.max()) - int(v.min()) + 1
-        if lift * len(heads) < (1 << 62):
-            off = seg.astype(np.int64) * np.int64(lift)
-            run = np.maximum.accumulate(v + off) - off
-        else:
-            run = np.concatenate([np.maximum.accumulate(x) for x in np.split(v, heads[1:])])
-        return c + run
+        v = self._run_segments(ready - c, heads, self.busy[nic[heads]] - c[heads])
+        v += c
+        return v
 
     def _schedule_whole(self, p: dict, max_passes: int = 8, served: bool = False) -> bool:
         """Fast path of :meth:`schedule`: place the whole chunk at once and raise the ready time
@@ -796,7 +781,7 @@ class _Links:
             if self._schedule_whole(p, served=served):
                 return
             self.skip_whole = WHOLE_RETRY
-        self.schedule_windows(p)
+        self.schedule_windows(p, served=served)
 
     def try_whole(self) -> bool:
         """Whether to try the whole batch at once: not for the :data:`WHOLE_RETRY` batches after
@@ -807,9 +792,12 @@ class _Links:
             return False
         return True
 
-    def schedule_windows(self, p: dict) -> None:
+    def schedule_windows(self, p: dict, served: bool = False) -> None:
         """:meth:`schedule` window by window (its general method, without first trying the
-        whole chunk at once)."""
+        whole chunk at once); ``served`` as for :meth:`_schedule_whole`. Everything that does not depend on an earlier window's starts (the
+        serving order, each window's NIC runs, the duration prefix sums, which answers reach into
+        an earlier window) is computed once for the whole chunk; the loop over windows only runs
+        the queue recursion and the passes over its answers."""
         n = len(p["ts_ns"])
         if not n:
             return
@@ -820,41 +808,102 @@ class _Links:
             win = (ots - ots.min()) // (WINDOW_HOPS * max(int(self.latency), 1000))
         else:
             win = np.zeros(n, dtype=np.int64)
-        o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], ots, nic, win))
+        nn = len(self.busy)
+        if served and int(win[-1] - win[0] + 1) * nn <= 1 << 16:
+            # rows in serving order already and windows follow the first-ready time: a stable
+            # radix sort by (window, NIC) gives the same order as sorting all five keys
+            o = np.argsort(((win - win[0]) * nn + nic).astype(np.uint16), kind="stable")
+        else:
+            o = np.lexsort((p["psn"], _KIND_RANK[p["_kind"]], ots, nic, win))
         nic_s, win_s = nic[o], win[o]
         fl_s = p["frame_len"][o]
         dur_s = self.wire_ps(fl_s)
+        arr_s = self.wire_ns(fl_s) + self.latency          # arrival after the start, ns
         ready_s = p["ts_ns"][o].astype(np.int64)
         at = np.empty(n, dtype=np.int64)
         at[o] = np.arange(n)
         dep_o = dep[o]
         dep_s = np.where(dep_o >= 0, at[np.maximum(dep_o, 0)], -1)
+        # runs of one NIC within one window (the queue recursion's segments), their last rows
+        new_win = np.r_[True, win_s[1:] != win_s[:-1]]
+        first = new_win | np.r_[True, nic_s[1:] != nic_s[:-1]]
+        heads = np.flatnonzero(first)
+        tails = np.r_[heads[1:], n] - 1
+        seg = np.cumsum(first) - 1
+        c = np.cumsum(dur_s)
+        c -= dur_s                                          # durations before each row (ps)
+        bounds = np.r_[np.flatnonzero(new_win), n]
+        hb = np.searchsorted(heads, bounds)
+        # answers, by where what they answer lies: in an earlier window (final) or in their own
+        has = dep_s >= 0
+        same = np.zeros(n, dtype=bool)
+        same[has] = win_s[dep_s[has]] == win_s[has]
+        early = np.flatnonzero(has & ~same)
+        inside = np.flatnonzero(same)
+        eb = np.searchsorted(early, bounds)
+        ib = np.searchsorted(inside, bounds)
         start_s = np.zeros(n, dtype=np.int64)
-        bounds = np.flatnonzero(np.r_[True, win_s[1:] != win_s[:-1], True])
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):   # one pass per window
-            r = ready_s[lo:hi].copy()
-            dd = dep_s[lo:hi]
-            early = np.flatnonzero((dd >= 0) & (dd < lo))
-            if len(early):
-                d = dd[early]
-                r[early] = np.maximum(r[early], self.arrival_ns(-(-start_s[d] // 1000), fl_s[d]))
-            inside = np.flatnonzero(dd >= lo)
+        busy = self.busy
+        for w in range(len(bounds) - 1):                # one pass per window
+            lo, hi = int(bounds[w]), int(bounds[w + 1])
+            e = early[eb[w]:eb[w + 1]]
+            if len(e):
+                d = dep_s[e]
+                ready_s[e] = np.maximum(ready_s[e], -(-start_s[d] // 1000) + arr_s[d])
+            h = heads[hb[w]:hb[w + 1]]
+            t = tails[hb[w]:hb[w + 1]]
+            hn = nic_s[h]
+            ins = inside[ib[w]:ib[w + 1]]
+            d_in = dep_s[ins] - lo
+            cw = c[lo:hi]
             while True:
-                st = self._run(nic_s[lo:hi], r * 1000, dur_s[lo:hi])
-                if not len(inside):
+                st = self._run_segments(ready_s[lo:hi] * 1000 - cw, h - lo, busy[hn] - c[h], seg[lo:hi])
+                st += cw
+                if not len(ins):
                     break
-                d = dd[inside] - lo
-                arrive = self.arrival_ns(-(-st[d] // 1000), fl_s[lo:hi][d])
-                late = arrive * 1000 > st[inside]
+                arrive = -(-st[d_in] // 1000) + arr_s[d_in + lo]
+                late = arrive * 1000 > st[ins - lo]
                 if not late.any():
                     break
-                r[inside[late]] = np.maximum(r[inside[late]], arrive[late])
+                li = ins[late]
+                ready_s[li] = np.maximum(ready_s[li], arrive[late])
             start_s[lo:hi] = st
-            np.maximum.at(self.busy, nic_s[lo:hi], st + dur_s[lo:hi])
+            busy[hn] = np.maximum(busy[hn], st[t - lo] + dur_s[t])
         ts = np.empty(n, dtype=np.int64)
         ts[o] = -(-start_s // 1000)
         p["ts_ns"] = ts
 
+    @staticmethod
+    def _run_segments(v: np.ndarray, h: np.ndarray, head_floor: np.ndarray,
+                      seg: np.ndarray | None = None) -> np.ndarray:
+        """Running maximum of ``v`` (modified and returned) within each segment (rows ``h[i]``
+        to before ``h[i + 1]``, ``h[0] == 0``), each segment's first value first raised to
+        ``head_floor``: :meth:`_run`'s ``max_{j<=i}(ready_j - C_j)`` behind the links' state.
+        ``seg``: the rows' segment numbers (consecutive), when the caller has them."""
+        v[h] = np.maximum(v[h], head_floor)
+        if len(h) == 1:
+            return np.maximum.accumulate(v, out=v)
+        # segment by segment when they are few and long, else in one pass with each segment's
+        # rows lifted above the previous segment's
+        if len(h) <= SEGMENT_LOOP and len(v) >= SEGMENT_ROWS * len(h):
+            lift = None
+        else:
+            lift = int(v.max()) - int(v.min()) + 1
+        if lift is not None and lift * len(h) < (1 << 62):
+            if seg is None:
+                first = np.zeros(len(v), dtype=np.int64)
+                first[h[1:]] = 1
+                off = np.cumsum(first)
+            else:
+                off = seg - seg[0]
+            off *= np.int64(lift)
+            v += off
+            np.maximum.accumulate(v, out=v)
+            v -= off
+            return v
+        for lo, hi in zip(h.tolist(), h[1:].tolist() + [len(v)]):
+            np.maximum.accumulate(v[lo:hi], out=v[lo:hi])
+        return v
 
 SINGLE_POOL = True
 """Runs without ECN marking use :func:`_packetize_unmarked` (the same packets as the general
@@ -1045,7 +1094,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
                 rank[now] = np.arange(k)
                 sub = _take(pool, now)
                 sub["_dep"] = np.where(sub["_dep"] >= 0, rank[np.maximum(sub["_dep"], 0)], -1)
-                links.schedule_windows(sub)
+                links.schedule_windows(sub, served=True)
                 pool["ts_ns"][now] = sub["ts_ns"]
             # frames that stay and answer a placed frame leave no earlier than its arrival
             dw = pool["_dep"][wait]
