@@ -656,6 +656,9 @@ the result does not depend on it (answers inside a window are settled by repeate
 run time does: 4 measured fastest on the sample plans."""
 
 
+_WINDOW_COLS = ("ts_ns", "_ots", "_dep", "src_nic", "psn", "_kind", "frame_len")
+"""The columns :meth:`_Links.schedule_windows` reads."""
+
 WHOLE_RETRY = 16
 """Batches placed by the windowed method after the whole-batch method failed to settle, before
 it is tried again (:meth:`_Links.try_whole`)."""
@@ -1092,7 +1095,7 @@ def _packetize_unmarked(M: _Messages, links: _Links, csum: np.ndarray, chunk_pac
                     links.skip_whole = WHOLE_RETRY
                 rank = np.full(n, -1, dtype=np.int64)
                 rank[now] = np.arange(k)
-                sub = _take(pool, now)
+                sub = _take(pool, now, _WINDOW_COLS)
                 sub["_dep"] = np.where(sub["_dep"] >= 0, rank[np.maximum(sub["_dep"], 0)], -1)
                 links.schedule_windows(sub, served=True)
                 pool["ts_ns"][now] = sub["ts_ns"]
