@@ -105,6 +105,16 @@ def test_invalid_json_gives_line_and_column(tmp_path: Path):
     assert "line 2 column" in str(e.value)
 
 
+def test_a_binary_file_given_as_plan_is_refused_in_one_line(tmp_path: Path):
+    """A capture passed as ``--plan`` (its pcap magic is not UTF-8) is a PlanError naming the
+    file, not a decoding traceback."""
+    f = tmp_path / "iter.pcap"
+    f.write_bytes(bytes.fromhex("4d3cb2a10200040000000000000000008000000001000000"))
+    with pytest.raises(PlanError) as e:
+        P.load(f)
+    assert str(e.value) == f"plan {f}: not a JSON text file (byte 2 is not UTF-8)"
+
+
 def test_cluster_only_plan_for_measured_schedules():
     p = P.from_dict({"cluster": {"nodes": 2, "gpus_per_node": 8}}, require_model=False)
     assert p.model is None and p.cluster.world_size == 16

@@ -105,3 +105,16 @@ def test_errors(tmp_path, corpus):
     latin1.write_bytes("perché".encode("latin-1"))
     with pytest.raises(WiretraceError, match="not UTF-8"):
         corpus_stats(latin1, 1024, 8, 1000)
+
+
+def test_a_corpus_of_whitespace_has_no_words_and_strict_json(tmp_path):
+    """Whitespace only: zero words, so tokens per word has no value (None, JSON null, never a
+    bare NaN that strict JSON parsers refuse); the bytes per token still count."""
+    import json
+
+    ws = tmp_path / "ws.txt"
+    ws.write_text("   \n\n\t\n")
+    st = corpus_stats(ws, 1024, 8, 300)
+    assert st.words == 0 and st.tokens_per_word is None
+    assert st.bytes == 7 and st.bytes_per_token == pytest.approx(7 / st.tokens)
+    assert '"tokens_per_word": null' in json.dumps(st.to_dict(), allow_nan=False)

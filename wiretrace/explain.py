@@ -432,6 +432,11 @@ def human_ns(ns: float) -> str:
     return f"{ns:.0f} ns"
 
 
+def _ratio(v: float | None) -> str:
+    """A ratio to three decimals, or "n/a" when it has no denominator (a corpus without words)."""
+    return "n/a" if v is None else f"{v:.3f}"
+
+
 def render(report: dict, console=None) -> None:
     """Print ``report`` (from :func:`explain`) as rich tables."""
     from rich.console import Console
@@ -459,15 +464,16 @@ def render(report: dict, console=None) -> None:
         t.add_column(); t.add_column(justify="right")
         for k, v in (("corpus", tok["corpus"]), ("bytes / characters / words", f"{tok['bytes']:,} / {tok['characters']:,} / {tok['words']:,}"),
                      ("tokenizer", f"{tok['tokenizer']}, vocabulary {tok['vocab_size']:,} (model {tok['vocab_target']:,})"),
-                     ("tokens", f"{tok['tokens']:,}"), ("tokens per word", f"{tok['tokens_per_word']:.3f}"),
-                     ("bytes per token", f"{tok['bytes_per_token']:.3f}"),
+                     ("tokens", f"{tok['tokens']:,}"), ("tokens per word", _ratio(tok["tokens_per_word"])),
+                     ("bytes per token", _ratio(tok["bytes_per_token"])),
                      (f"sequences of {tok['seq_length']}", f"{tok['sequences']:,}"),
                      (f"iterations per epoch (global batch {tok['global_batch_size']})", f"{tok['iterations_per_epoch']:.4f}")):
             t.add_row(k, str(v))
         con.print(t)
         ex = tok["example"]
-        con.print(f"example: {ex['text']!r} -> {len(ex['ids'])} tokens {ex['tokens'][:24]} "
-                  "(byte-level BPE: Ġ marks a leading space, Ċ a newline)")
+        byte_level = any("Ġ" in t or "Ċ" in t for t in ex["tokens"])
+        con.print(f"example: {ex['text']!r} -> {len(ex['ids'])} tokens {ex['tokens'][:24]}"
+                  + (" (byte-level BPE: Ġ marks a leading space, Ċ a newline)" if byte_level else ""))
 
     def shape_table(title: str, rows: list[dict]) -> Table:
         t = Table(title=title)

@@ -382,14 +382,17 @@ def load(path: str | Path, require_model: bool = True) -> Plan:
 
     Raises
     ------
-    PlanError : unreadable file, invalid JSON (with line and column), a schema violation (with the
+    PlanError : unreadable file, a file that is not UTF-8 text (a capture given as the plan),
+        invalid JSON (with line and column), a schema violation (with the
         JSON path), or inconsistent numbers.
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise PlanError(f"plan {path}: not a JSON text file (byte {e.start} is not UTF-8)") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

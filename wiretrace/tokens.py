@@ -90,7 +90,8 @@ class CorpusStats:
     tokenizer : ``"trained BPE"`` or the loaded file.
     vocab_size : vocabulary of the tokenizer actually used; ``vocab_target`` the model's.
     tokens : tokens of the whole corpus (lines encoded with their newlines).
-    tokens_per_word, bytes_per_token : ratios.
+    tokens_per_word, bytes_per_token : ratios; None when the corpus has no words (only
+        whitespace) or no tokens.
     seq_length, global_batch_size : from the plan.
     sequences : ``(tokens - 1) // seq_length`` training samples per epoch.
     iterations_per_epoch : ``sequences / global_batch_size`` (fractional).
@@ -109,8 +110,8 @@ class CorpusStats:
     vocab_size: int
     vocab_target: int
     tokens: int
-    tokens_per_word: float
-    bytes_per_token: float
+    tokens_per_word: float | None
+    bytes_per_token: float | None
     seq_length: int
     global_batch_size: int
     sequences: int
@@ -160,8 +161,8 @@ def corpus_stats(corpus: str | Path, seq_length: int, global_batch_size: int, vo
     return CorpusStats(
         corpus=str(path), bytes=len(raw), characters=len(text), words=words, lines=len(lines),
         tokenizer=source, vocab_size=tok.get_vocab_size(), vocab_target=vocab_size, tokens=n_tokens,
-        tokens_per_word=n_tokens / words if words else math.nan,
-        bytes_per_token=len(raw) / n_tokens if n_tokens else math.nan,
+        tokens_per_word=n_tokens / words if words else None,
+        bytes_per_token=len(raw) / n_tokens if n_tokens else None,
         seq_length=seq_length, global_batch_size=global_batch_size, sequences=sequences,
         iterations_per_epoch=sequences / global_batch_size, tokens_per_iteration=seq_length * global_batch_size,
         example=example, seconds=time.perf_counter() - t0,
