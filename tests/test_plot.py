@@ -164,3 +164,41 @@ def test_identical_nic_series_are_drawn_once_and_named_together():
     assert figure(8) == ["nic0 … nic7 (8 NICs, identical)", "nic8"]
     assert figure(3) == ["nic0, nic1, nic2 (identical)", "nic3"]
     assert figure(1) == ["nic0", "nic1"]
+
+
+def empty_pcap(path: Path) -> Path:
+    """A nanosecond pcap with its file header only (a window without packets)."""
+    path.write_bytes(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, 128, 1))
+    return path
+
+
+def test_plot_of_a_capture_without_packets_says_so(tmp_path):
+    """No frames (``generate --parallelism tp`` keeps everything on NVLink): every figure is
+    drawn, saying there is nothing, and the HTML page is written."""
+    out = tmp_path / "figs"
+    r = cli("plot", str(empty_pcap(tmp_path / "e.pcap")), "-o", str(out), "--html", str(tmp_path / "e.html"))
+    assert r.returncode == 0, r.stderr
+    assert "<!-- no network traffic -->" in (out / "matrix.svg").read_text()
+    for name in ("throughput", "bursts"):
+        assert "<!-- no packets -->" in (out / f"{name}.svg").read_text(), name
+    assert (tmp_path / "e.html").stat().st_size > 0
+
+
+def test_a_failing_figure_leaves_no_figure_and_no_directory(tmp_path, monkeypatch):
+    from wiretrace.analysis import analyze, figures
+
+    s, _ = analyze(empty_pcap(tmp_path / "e.pcap"))
+
+    def broken(_s):
+        raise RuntimeError("figure failed")
+
+    monkeypatch.setattr(figures, "bursts", broken)
+    out = tmp_path / "new" / "figs"
+    with pytest.raises(RuntimeError, match="figure failed"):
+        figures.write_all(s, out)
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(RuntimeError):
+        figures.write_all(s, kept)
+    assert list(kept.iterdir()) == []

@@ -13,6 +13,7 @@ and returns a matplotlib Figure; :func:`write_all` saves them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def throughput(s: Summary, phase_spans=None) -> plt.Figure:
     runit, rdiv = _rate_unit(peak * 8e9 / tl.width if peak else 1)
     for label, b in series:
         ax.step(x, b * 8e9 / tl.width / rdiv, where="post", lw=0.9, label=label)
+    if not series:
+        ax.text(0.5, 0.5, "no packets", ha="center", va="center", transform=ax.transAxes)
     if phase_spans and tl.origin is not None:
         seen = set()
         lo, hi = s.first_ns, s.last_ns
@@ -131,6 +134,12 @@ def matrix(s: Summary) -> plt.Figure:
     n = len(names)
     size = min(12, 3 + 0.5 * n)
     fig, ax = plt.subplots(figsize=(size + 1.5, size), dpi=100)
+    if n == 0:                                  # no frame between two endpoints
+        ax.text(0.5, 0.5, "no network traffic", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        ax.set_title(f"Traffic matrix by {m['by']}")
+        fig.tight_layout()
+        return fig
     shown = np.where(data > 0, data, np.nan)
     from matplotlib.colors import LogNorm, Normalize
 
@@ -206,6 +215,8 @@ def bursts(s: Summary) -> plt.Figure:
     ax.set_ylim(-0.6, max(len(keys), 1) - 0.4)
     ax.set_xlim(0, span / div if span else 1)
     ax.set_xlabel(f"time from first packet ({unit})")
+    if not keys:
+        ax.text(0.5, 0.5, "no packets", ha="center", va="center", transform=ax.transAxes)
     kept = len(r)
     note = f", earliest {kept:,} bursts" if kept >= s.burst.raster_cap else ""
     ax.set_title(f"Burst raster (idle gap > {s.burst.idle_gap_ns:,} ns ends a burst{note})")
@@ -217,7 +228,8 @@ def bursts(s: Summary) -> plt.Figure:
 def write_all(s: Summary, out_dir: Path, phase_spans=None, force: bool = False) -> list[tuple[str, Path, Path]]:
     """Write every figure as ``<name>.png`` and ``<name>.svg`` into ``out_dir``.
 
-    Each file is written to a temporary name and renamed, so no partial figure is left.
+    Every figure is drawn into a temporary file first and all are renamed at the end, so a
+    failure leaves no figure (and no directory it made).
 
     Returns
     -------
@@ -234,21 +246,29 @@ def write_all(s: Summary, out_dir: Path, phase_spans=None, force: bool = False) 
     existing = [t for t in targets if t.exists()]
     if existing and not force:
         raise WiretraceError(f"{existing[0]} exists; pass --force to overwrite it")
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]      # innermost first
     out_dir.mkdir(parents=True, exist_ok=True)
     makers = {"throughput": lambda: throughput(s, phase_spans), "matrix": lambda: matrix(s),
               "sizes": lambda: sizes(s), "bursts": lambda: bursts(s)}
-    out = []
-    for name in FIGURES:
-        fig = makers[name]()
-        paths = []
-        try:
-            for ext in ("png", "svg"):
-                final = out_dir / f"{name}.{ext}"
-                tmp = out_dir / f".{name}.{ext}.tmp"
-                fig.savefig(tmp, format=ext)
-                os.replace(tmp, final)
-                paths.append(final)
-        finally:
-            plt.close(fig)
-        out.append((CAPTIONS[name], paths[0], paths[1]))
-    return out
+    # every figure into a temporary file first; renamed only when all were drawn
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name in FIGURES:
+            fig = makers[name]()
+            try:
+                for ext in ("png", "svg"):
+                    tmp = out_dir / f".{name}.{ext}.tmp"
+                    staged.append((tmp, out_dir / f"{name}.{ext}"))
+                    fig.savefig(tmp, format=ext)
+            finally:
+                plt.close(fig)
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            for d in made:
+                d.rmdir()
+        raise
+    for tmp, final in staged:
+        os.replace(tmp, final)
+    return [(CAPTIONS[name], out_dir / f"{name}.png", out_dir / f"{name}.svg") for name in FIGURES]
