@@ -90,6 +90,17 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"parallelism": {"tp": 16, "pp": 1, "dp": 2}}, "num_key_value_heads = 8 is not divisible by tp = 16"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
+    ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "virtual_stages": 2}},
+     "virtual_stages = 2 needs pp_schedule interleaved (1f1b runs one model chunk per pipeline rank)"),
+    ({"model": {"preset": "gpt2-small"}, "parallelism": {"tp": 4, "pp": 2, "dp": 4},
+      "training": {"seq_length": 2048}},
+     "seq_length = 2048 exceeds the model's learned position table (max_position_embeddings = 1024)"),
+    ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "decoder_first_pipeline_num_layers": 30,
+                      "decoder_last_pipeline_num_layers": 7}},
+     "first/last stage layers 30 + 7 exceed num_hidden_layers = 32"),
+    ({"model": {"preset": "llama3-8b"}, "parallelism": {"tp": 8, "pp": 4, "dp": 1, "decoder_first_pipeline_num_layers": 20,
+                                                       "decoder_last_pipeline_num_layers": 11}},
+     "first/last stage layers 20 + 11 leave 1 of num_hidden_layers = 32 for the 2 other pipeline stages (at least one each)"),
 ])
 def test_inconsistent_plans_name_both_numbers(over, fragment):
     with pytest.raises(PlanError) as e:

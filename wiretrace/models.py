@@ -427,6 +427,11 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int =
             per_rank[0] = first; rest -= first; middle -= 1
         if last:
             per_rank[-1] = last; rest -= last; middle -= 1
+        if rest < 0:
+            raise PlanError(f"plan: first/last stage layers {first} + {last} exceed num_hidden_layers = {num_layers}")
+        if 0 < middle > rest:
+            raise PlanError(f"plan: first/last stage layers {first} + {last} leave {rest} of num_hidden_layers = "
+                            f"{num_layers} for the {middle} other pipeline stages (at least one each)")
         if middle <= 0 and rest:
             raise PlanError(f"plan: {num_layers} layers do not fit first/last stage layer counts {first}/{last}")
         if middle and rest % middle:

@@ -367,6 +367,14 @@ def check_consistency(plan: Plan, require_model: bool = True) -> None:
         raise PlanError(f"plan: seq_length = {t.seq_length} is not divisible by tp*cp = {p.tp * p.cp} (sequence parallel)")
     if p.pp_schedule == "interleaved" and p.virtual_stages < 2:
         raise PlanError("plan: pp_schedule interleaved needs virtual_stages >= 2")
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
+        # Megatron-LM runs the interleaved 1F1B schedule whenever a virtual pipeline size is set
+        raise PlanError(f"plan: virtual_stages = {p.virtual_stages} needs pp_schedule interleaved "
+                        f"({p.pp_schedule} runs one model chunk per pipeline rank)")
+    if (m.position_embedding == "learned" and m.max_position_embeddings
+            and t.seq_length > m.max_position_embeddings):
+        raise PlanError(f"plan: seq_length = {t.seq_length} exceeds the model's learned position table "
+                        f"(max_position_embeddings = {m.max_position_embeddings})")
     if p.pp_schedule == "interleaved" and plan.num_microbatches % p.pp:
         raise PlanError(f"plan: interleaved schedule needs micro-batches ({plan.num_microbatches}) divisible by pp = {p.pp}")
 
