@@ -364,6 +364,23 @@ def test_log_split_per_rank_gives_the_same_calls(tmp_path):
         {("all_gather", 8 << 20), ("reduce_scatter", 8 << 20), ("all_reduce", 4)}
 
 
+def test_a_log_read_twice_counts_each_call_once(tmp_path):
+    """The same COLL line of one thread again (a file given twice; stdout joined with
+    NCCL_DEBUG_FILE) is one call logged twice, not two calls: skipped, naming the first."""
+    log = LOGS / "torchtitan1369_tp_coll_2ranks.log"
+    twice = read_schedule([log, log])
+    assert twice.report["counts"] == {"all_gather": 2, "all_reduce": 2, "reduce_scatter": 1}
+    assert [s["line"] for s in twice.report["skipped"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert twice.report["skipped"][3]["reason"] == \
+        f"the same COLL line (same host, pid, thread) as {log}:4: a log read twice?"
+    src = log.read_text().splitlines()
+    r1 = [x for x in src if ":191370:" in x]
+    again = _log(tmp_path, "again.log", r1 + [x for x in src if ":191369:" in x] + r1)
+    got = read_schedule(again)
+    assert got.report["counts"] == {"all_gather": 2, "all_reduce": 2, "reduce_scatter": 1}
+    assert len(got.report["skipped"]) == len(r1) and got.report["mismatches"] == []
+
+
 def test_ranks_disagreeing_at_one_opcount_are_a_mismatch(tmp_path):
     line = ("h{h}:{pid}:{pid} [0] NCCL INFO {op}: opCount {oc} sendbuff 0x1 recvbuff 0x2 count {c} datatype 9 "
             "op 0 root 0 comm 0x{pid}0 [nranks=2] stream 0x3")

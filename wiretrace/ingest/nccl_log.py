@@ -211,6 +211,7 @@ def read(paths: list[Path]) -> Partial:
     hosts: set[str] = set()
     last_nranks: dict[tuple, int] = {}
     local_info: dict = {}
+    coll_seen: dict[tuple, str] = {}      # (host, pid, tid, dev, COLL text) -> file:line first seen
 
     for fidx, path in enumerate(paths):
         fname = str(path)
@@ -247,6 +248,14 @@ def read(paths: list[Path]) -> Partial:
                 algos.append(ma.group(1))
             c = _COLL.match(msg)
             if c:
+                # one thread logs one call once: the same line again is the log read twice (a
+                # file given twice, or stdout and NCCL_DEBUG_FILE joined), not a second call
+                ckey = (host, pid, p.group("tid"), dev, msg)
+                if ckey in coll_seen:
+                    out.skipped.append(Skip(fname, lno, f"the same COLL line (same host, pid, thread) as "
+                                                        f"{coll_seen[ckey]}: a log read twice?"))
+                    continue
+                coll_seen[ckey] = f"{fname}:{lno}"
                 rec = _parse_coll(c, fname, fidx, lno, host, pid, dev, out.skipped)
                 if rec is not None:
                     recs.append(rec)
