@@ -13,7 +13,10 @@ packets in window ``i`` of ``n`` windows covering the observation span (empty wi
 * coefficient of variation ``std(B) / mean(B)`` (population standard deviation);
 * index of dispersion for counts ``var(N) / mean(N)`` (1 for a Poisson process);
 * peak utilization ``max(W) * 8 / (T * line_rate)`` with ``W`` the bytes on the wire including the
-  Ethernet preamble, SFD, FCS and minimum inter-frame gap (24 bytes per frame, IEEE 802.3).
+  Ethernet preamble, SFD, FCS and minimum inter-frame gap (24 bytes per frame, IEEE 802.3). A
+  frame counts whole in the window it starts in, so a window of back-to-back frames at the line
+  rate can read up to one frame's time above 100 % (12 frames of 4 KiB at 400 Gb/s start within
+  1 us: 100.8 %); received directions can exceed 100 % for real when senders overlap (incast).
 
 Only running sums (``sum B``, ``sum B^2``, ``max B``...) and one open window per key and timescale
 are kept, so memory does not grow with the capture. Packets that arrive in a later chunk but

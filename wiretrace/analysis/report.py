@@ -108,7 +108,8 @@ def tables(doc: dict, top_flows: int = 20, top_series: int = 16) -> list[tuple[s
     burst = [r for r in doc["burstiness"] if (r["nic"], r["direction"]) in keep]
     onoff = [r for r in doc["onoff"] if (r["nic"], r["direction"]) in keep]
     out.append((f"Burstiness (windows of each timescale over the whole span{more}; peak rate counts "
-                f"frame bytes, peak util. the wire: frames plus preamble, FCS and inter-frame gap)",
+                f"frame bytes, peak util. the wire: frames plus preamble, FCS and inter-frame gap; a frame "
+                f"counts in the window it starts in, so a short window can read up to one frame above 100 %)",
                 ["nic", "dir", "timescale", "peak/mean", "CoV", "IDC", "peak rate", "peak util."],
                 [[r["nic"], r["direction"], fmt_ns(r["timescale_ns"])]
                  + ([fmt_num(r["peak_to_mean"]), fmt_num(r["cov"]), fmt_num(r["index_of_dispersion"])]
