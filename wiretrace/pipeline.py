@@ -151,13 +151,27 @@ class Measured:
     ``rings``: complete ring orders read from an NCCL log (channel -> ranks), followed by the
     lowering; ``tcp_pairs``: (src, dst) rank pairs that NCCL connected over ``NET/Socket`` (TCP,
     not RDMA): their messages stay in the messages table but are not rendered as RoCEv2;
+    ``tcp_network``: the run's network was NET/Socket (every connection the log shows over a
+    network is, none over NET/IB, or NCCL said "Using network Socket"): NCCL runs one network
+    module for all of a process's connections, so every network message was TCP, logged or not;
     ``notes``: what was dropped and why.
     """
 
     table: pa.Table
     rings: dict = field(default_factory=dict)
     tcp_pairs: frozenset = frozenset()
+    tcp_network: bool = False
     notes: list = field(default_factory=list)
+
+    def over_tcp(self, msgs: dict, is_net: np.ndarray) -> np.ndarray:
+        """Which of the network messages ``msgs`` (``is_net`` marks them) NCCL sent over TCP."""
+        if self.tcp_network:
+            return is_net.copy()
+        if not self.tcp_pairs or not is_net.any():
+            return np.zeros(len(is_net), dtype=bool)
+        tcp = np.asarray(sorted(self.tcp_pairs), dtype=np.int64).reshape(-1, 2)
+        pair = msgs["src_rank"].astype(np.int64) * (1 << 32) + msgs["dst_rank"]
+        return is_net & np.isin(pair, tcp[:, 0] * (1 << 32) + tcp[:, 1])
 
 
 def load_schedule(path: Path, world_size: int | None = None) -> Measured:
@@ -188,6 +202,9 @@ def load_schedule(path: Path, world_size: int | None = None) -> Measured:
     if got is not None:
         m.rings = got.complete_rings()
         m.tcp_pairs = frozenset(k for k, v in got.transports.items() if "Socket" in v)
+        nets = {v for v in got.transports.values() if v.startswith("NET/")}
+        said = set(got.report.get("network") or ())
+        m.tcp_network = (bool(nets) and all("Socket" in v for v in nets)) or said == {"Socket"}
     sizes = table.column("bytes_per_rank").to_numpy()
     gsize = table.column("group_size").to_numpy()
     bad = (sizes < 0) | (gsize < 1)
@@ -593,7 +610,6 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         msg_writer = TableWriter(pq_tmp / "messages.parquet", "messages") if pq_tmp else None
         net_chunks: list[dict] = []
         done = 0
-        tcp = np.asarray(sorted(measured.tcp_pairs), dtype=np.int64).reshape(-1, 2)
         window = selection.window
         kept_ops: set[int] = set()
         for msgs in lower_and_time(coll, topo, plan, selection, rings=measured.rings or None):
@@ -602,6 +618,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 # earlier network message, so that PSNs match the whole iteration's capture
                 inside = (msgs["t_start_ns"] < window[1]) & (msgs["t_end_ns"] > window[0])
                 early = msgs["link"] == "network"
+                early &= ~measured.over_tcp(msgs, early)
                 early &= msgs["t_start_ns"] < window[1] + WINDOW_LOOKAHEAD_NS
                 for_packets = {k: v[early & ~inside] for k, v in msgs.items()}
                 if len(for_packets["msg_id"]):
@@ -616,11 +633,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 summary.last_message_ns = max(summary.last_message_ns, int(msgs["t_end_ns"].max()))
             if msg_writer:
                 msg_writer.write(msgs)
-            if len(tcp) and is_net.any():
-                pair = msgs["src_rank"].astype(np.int64) * (1 << 32) + msgs["dst_rank"]
-                over_tcp = is_net & np.isin(pair, tcp[:, 0] * (1 << 32) + tcp[:, 1])
-                summary.tcp_messages += int(over_tcp.sum())
-                is_net = is_net & ~over_tcp
+            over_tcp = measured.over_tcp(msgs, is_net)
+            summary.tcp_messages += int(over_tcp.sum())
+            is_net = is_net & ~over_tcp
             if is_net.any():
                 net_chunks.append({k: v[is_net] for k, v in msgs.items()})
             done += len(is_net)
@@ -707,8 +722,10 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         except (ImportError, AttributeError, KeyError):
             summary.iteration_ns = 0
         if summary.tcp_messages:
+            why = (" (the log shows NET/Socket as the run's network, and NCCL sends every connection over "
+                   "the one network module)" if measured.tcp_network else "")
             summary.notes.append(f"{summary.tcp_messages:,} network messages went over NET/Socket (TCP) in the "
-                                 "measured run: kept in messages.parquet, not rendered as RoCEv2 packets")
+                                 f"measured run{why}: kept in messages.parquet, not rendered as RoCEv2 packets")
         staging.commit()
         summary.outputs = [str(final) for _, final in staging.committed if final != Path(parquet_dir)]
         summary.outputs += [str(parquet_dir)] if write_parquet else []
