@@ -444,6 +444,12 @@ def test_unknown_format_names_the_known_ones(tmp_path):
         detect_format(b)
     with pytest.raises(InputFormatError, match="unknown format"):
         read_schedule(LOGS / "nccl1193_ray_allreduce_coll_128ranks.log", fmt="pcap")
+    for name, content in (("empty.log", b""), ("blank.log", b"\n  \n\t\n")):
+        e = tmp_path / name
+        e.write_bytes(content)
+        with pytest.raises(InputFormatError) as err:
+            detect_format(e)
+        assert str(err.value) == f"{e}: no content (empty, or whitespace only)"
 
 
 def test_nothing_usable_is_an_error_naming_the_reasons(tmp_path):

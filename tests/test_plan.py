@@ -86,7 +86,7 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
      "num_attention_heads = 30 is not divisible by tp = 8"),
     ({"model": {"preset": "llama3-8b", "num_hidden_layers": 31}}, "num_hidden_layers = 31 is not divisible by pp*virtual_stages = 2*1"),
     ({"training": {"global_batch_size": 5}}, "global_batch_size = 5 is not divisible by micro_batch_size*dp = 1*2 = 2"),
-    ({"model": {"preset": "llama9"}}, "unknown preset 'llama9'"),
+    ({"model": {"preset": "llama9"}}, "plan $.model.preset: unknown preset 'llama9'"),
     ({"parallelism": {"tp": 16, "pp": 1, "dp": 2}}, "num_key_value_heads = 8 is not divisible by tp = 16"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
@@ -124,6 +124,16 @@ def test_a_binary_file_given_as_plan_is_refused_in_one_line(tmp_path: Path):
     with pytest.raises(PlanError) as e:
         P.load(f)
     assert str(e.value) == f"plan {f}: not a JSON text file (byte 2 is not UTF-8)"
+
+
+@pytest.mark.parametrize("value,kind", [([], "an array"), ("x", "a string"), (3, "a number"), (None, "null")])
+def test_a_plan_that_is_not_a_json_object_is_named(value, kind, tmp_path: Path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(value))
+    for require_model in (True, False):
+        with pytest.raises(PlanError) as e:
+            P.load(f, require_model=require_model)
+        assert str(e.value) == f'plan: expected a JSON object ({{"model": ..., "cluster": ...}}), not {kind}'
 
 
 def test_cluster_only_plan_for_measured_schedules():

@@ -270,7 +270,7 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
         click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
     if s.messages:
         click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start (timed with NCCL step "
-                   f"dependencies and link sharing; the estimate above is analytical)")
+                   f"dependencies and link sharing" + ("; the estimate above is analytical)" if s.iteration_ns else ")"))
     else:
         click.echo("last message   none: nothing was selected (check --ranks, --parallelism, --window)")
     captures = s.outputs[:-1] if not no_parquet else s.outputs

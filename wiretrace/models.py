@@ -171,16 +171,16 @@ def from_hf_config(path: Path) -> ModelConfig:
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise PlanError(f"model.hf_config: cannot read {path}: {e}") from None
+        raise PlanError(f"plan $.model.hf_config: cannot read {path}: {e}") from None
     if not isinstance(cfg, dict):
-        raise PlanError(f"model.hf_config: {path} is not a JSON object")
+        raise PlanError(f"plan $.model.hf_config: {path} is not a JSON object")
     mt = str(cfg.get("model_type", ""))
     name = Path(path).parent.name or mt or "hf"
     if mt == "gpt2" or "n_embd" in cfg:
         need = ("n_layer", "n_embd", "n_head")
         missing = [k for k in need if k not in cfg]
         if missing:
-            raise PlanError(f"model.hf_config: {path} (gpt2) lacks {', '.join(missing)}")
+            raise PlanError(f"plan $.model.hf_config: {path} (gpt2) lacks {', '.join(missing)}")
         d = dict(_GPT2)
         d.update(num_hidden_layers=cfg["n_layer"], hidden_size=cfg["n_embd"],
                  num_attention_heads=cfg["n_head"], num_key_value_heads=cfg["n_head"],
@@ -192,9 +192,9 @@ def from_hf_config(path: Path) -> ModelConfig:
     need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:
-        raise PlanError(f"model.hf_config: {path} lacks {', '.join(missing)}")
+        raise PlanError(f"plan $.model.hf_config: {path} lacks {', '.join(missing)}")
     if mt and mt not in ("llama", "mistral", "mixtral", "qwen2"):
-        raise PlanError(f"model.hf_config: {path} has model_type {mt!r}; known: gpt2, llama, mistral, mixtral, qwen2")
+        raise PlanError(f"plan $.model.hf_config: {path} has model_type {mt!r}; known: gpt2, llama, mistral, mixtral, qwen2")
     d = {k: v for k, v in cfg.items() if v is not None}
     d.setdefault("tie_word_embeddings", False)
     d["gated_mlp"] = True
@@ -224,7 +224,7 @@ def resolve(spec: Mapping[str, Any], base_dir: Path | None = None) -> ModelConfi
     if "preset" in spec:
         name = spec.pop("preset")
         if name not in PRESETS:
-            raise PlanError(f"model.preset: unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+            raise PlanError(f"plan $.model.preset: unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         dims = dict(PRESETS[name]); dims.update(spec)
         return from_dims(name, dims)
     if "hf_config" in spec:

@@ -220,6 +220,9 @@ def load_schedule(path: Path, world_size: int | None = None) -> Measured:
                 f"--schedule: the calls in {path} do not name their communicator's ranks (Chakra traces "
                 "do not); give the trace file itself to --schedule, and the plan's whole cluster is "
                 "taken as the communicator")
+        if not table.num_rows:
+            raise WiretraceError(f"--schedule: {path} holds no collective call (rings, trees or transports "
+                                 "only?): nothing to lower")
         raise WiretraceError(f"--schedule: {path} has no call wiretrace can lower (sizes unknown)")
     return m
 

@@ -214,7 +214,8 @@ def validate_document(doc: Any, require_model: bool = True) -> None:
     With ``require_model=False`` a plan without ``model`` (and ``parallelism``) is accepted: it
     describes only the cluster, collectives and transport for a measured schedule.
     """
-    if not require_model and isinstance(doc, dict):
+    _require_object(doc)
+    if not require_model:
         doc = dict(doc)
         doc.setdefault("model", {"preset": "gpt2-small"})
         doc.setdefault("parallelism", {})
@@ -259,9 +260,17 @@ def _integral_floats_to_int(value: Any, key: str = "") -> Any:
     return value
 
 
+def _require_object(doc: Any) -> None:
+    """A plan is a JSON object; name what was given instead (PlanError)."""
+    if not isinstance(doc, Mapping):
+        kind = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(type(doc), "a number")
+        raise PlanError(f"plan: expected a JSON object ({{\"model\": ..., \"cluster\": ...}}), not {kind}")
+
+
 def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str = "",
               require_model: bool = True) -> Plan:
     """Build a :class:`Plan` from a parsed JSON document (see :func:`load`)."""
+    _require_object(doc)
     doc = _integral_floats_to_int(dict(doc))
     validate_document(doc, require_model=require_model)
     tr = dict(doc.get("training", {}))

@@ -71,11 +71,13 @@ def detect_format(path: Path | str) -> str:
 
     Raises
     ------
-    InputFormatError : the file is none of the known formats (the message lists them).
+    InputFormatError : the file is empty, or none of the known formats (the message lists them).
     FileNotFoundError : the file does not exist.
     """
     path = Path(path)
     data = read_head(path)
+    if not data.strip():
+        raise InputFormatError(f"{path}: no content (empty, or whitespace only)")
     head = data[:4096]
     stripped = head.lstrip()
     if stripped[:1] in (b"{", b"["):
