@@ -270,6 +270,19 @@ def test_udp_generated_capture_carries_whole_roce_parts(generated_capture):
     assert rep["packets"] == len(want) and rep["zero_padded"] == 0
 
 
+def test_a_capture_cut_inside_a_record_is_one_warning_line(generated_capture, tmp_path):
+    """A capture cut off inside its last record: the complete frames are sent and the cut is
+    reported on one ``warning:`` line (no Python source location or code line)."""
+    path, _ = generated_capture
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(path.read_bytes()[:5000])
+    r = run([*WIRETRACE, "replay", str(cut), "--udp", "127.0.0.1:9", "--topspeed", "--json"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {cut}: capture truncated: record of frame ")
+    assert json.loads(r.stdout)["packets"] >= 1
+
+
 def test_native_ib_frames_completed_with_icrc_and_vcrc(tmp_path):
     """Native InfiniBand (ERF): frames cut at 100 bytes come back equal to the whole frames, VCRC
     included; over UDP the BTH .. ICRC part of each."""

@@ -12,6 +12,7 @@ import functools
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -45,6 +46,12 @@ def handle_errors(fn):
     return wrapper
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A Python warning (a capture cut off inside its last record, ...) as one ``warning:`` line
+    on stderr, without the source location and code line Python adds."""
+    click.echo(f"warning: {message}", err=True)
+
+
 def usage_error_line(e: click.ClickException) -> str:
     """A click error (bad option value, missing option, unknown command ...) as the one line
     ``error: ...`` that every wiretrace error is: click's own message, which names the option
@@ -70,6 +77,7 @@ class WiretraceGroup(click.Group):
         """Run the command line; see the class docstring for how errors are reported."""
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        warnings.showwarning = _warning_line
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as e:   # bare `wiretrace`: the help
