@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -197,6 +198,33 @@ def test_existing_output_needs_force(tmp_path: Path):
     proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", target, "--quiet", "--force")
     assert proc.returncode == 0, proc.stderr
     assert target.read_bytes()[:4] == bytes.fromhex("4d3cb2a1")
+
+
+@pytest.mark.parametrize("where", ["-o", "--parquet", "rotation"])
+def test_a_named_pipe_or_device_is_never_replaced(tmp_path: Path, where):
+    """Outputs are written under a temporary name and renamed: a named pipe (or /dev/null) as
+    an output would be replaced by a regular file, so it is refused, with --force too, and left
+    as it was."""
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    base = ["generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "--window", "5.4ms:5.402ms", "-q", "--force"]
+    if where == "-o":
+        args = [*base, "-o", fifo, "--no-parquet"]
+    elif where == "--parquet":
+        args = [*base, "-o", tmp_path / "x.pcap", "--parquet", fifo]
+    else:
+        os.rename(fifo, tmp_path / "x.pcap1")
+        fifo = tmp_path / "x.pcap1"
+        args = [*base, "-o", tmp_path / "x.pcap", "--no-parquet", "--max-file-size", "168"]
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {fifo} is a named pipe, not a regular file; wiretrace writes its outputs as files (written "
+        f"whole, then renamed into place), and does not replace a named pipe"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fifo.name]
 
 
 @pytest.mark.parametrize("case", ["split", "parquet", "dir_as_capture"])

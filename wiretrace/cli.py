@@ -105,7 +105,11 @@ class WiretraceGroup(click.Group):
 
 
 def check_output_free(path: Path, force: bool) -> None:
-    """Raise WiretraceError when ``path`` exists and ``--force`` was not given."""
+    """Raise WiretraceError when ``path`` exists and ``--force`` was not given, or is a device,
+    named pipe or socket (never replaced)."""
+    from .pipeline import refuse_special
+
+    refuse_special(path)
     if path.exists() and not force:
         raise WiretraceError(f"{path} exists; pass --force to overwrite it")
 

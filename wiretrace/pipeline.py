@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -366,6 +367,30 @@ def capture_file(p: Path) -> bool:
     return bool(_CAPTURE_FILE.fullmatch(p.name)) and p.is_file() and not p.is_symlink()
 
 
+def special_file(p: Path) -> str | None:
+    """What ``p`` is when it exists but is neither a regular file nor a directory (following
+    symbolic links): ``"character device"``, ``"block device"``, ``"named pipe"`` or ``"socket"``;
+    None otherwise."""
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return None
+
+
+def refuse_special(p: Path) -> None:
+    """Raise WiretraceError when the output ``p`` is a device, named pipe or socket: outputs are
+    written under a temporary name and renamed, which would replace it (``--force`` or not)."""
+    kind = special_file(Path(p))
+    if kind:
+        raise WiretraceError(f"{p} is a {kind}, not a regular file; wiretrace writes its outputs as files "
+                             f"(written whole, then renamed into place), and does not replace a {kind}")
+
+
 class _Staging:
     """Temporary output names beside the final ones; renamed on commit, removed on failure
     (with the directories made for them)."""
@@ -389,6 +414,7 @@ class _Staging:
             written, or holds other files; it cannot be created.
         """
         final = Path(final)
+        refuse_special(final)
         if final.is_dir() and not final.is_symlink() and not is_dir:
             raise WiretraceError(f"{final} is a directory; expected a file name for the capture "
                                  f"(--split nic writes one file per NIC into a directory)")
@@ -434,6 +460,7 @@ class _Staging:
         from now on); refuses to replace a file without force, and a directory at all."""
         self.pairs.extend(pairs)
         for _, final in pairs:
+            refuse_special(final)
             if final.is_dir() and not final.is_symlink():
                 raise WiretraceError(f"{final} is a directory; a rotated capture file goes there")
             if final.exists() and not self.force:
