@@ -295,6 +295,25 @@ def test_psn_gap_after_read_request(tmp_path):
     assert v.message == "PSN 3 goes back 2 from expected 5 (retransmission or reordering)"
 
 
+def test_reads_of_two_qps_at_one_psn_are_told_apart_by_udp_port(tmp_path):
+    """Two QPs of one connection (same addresses) each issue a READ at PSN 0: the responses are
+    paired with their own request by the UDP source port (a RoCEv2 NIC sends a QP's requests and
+    responses from one port), so both DMA lengths check out; a response with the wrong length is
+    still caught."""
+    req1 = rocev2(0x0C, 0, QP_B, ext=reth(2100), sport=49200)
+    req2 = rocev2(0x0C, 0, 0x25, ext=reth(500), sport=49300)
+    resp1 = [rocev2(0x0D, 0, QP_A, data(1024, 1), aeth(0), src=B, dst=A, sport=49200),
+             rocev2(0x0E, 1, QP_A, data(1024, 2), src=B, dst=A, sport=49200),
+             rocev2(0x0F, 2, QP_A, data(52, 3), aeth(1), src=B, dst=A, sport=49200)]
+    resp2 = rocev2(0x10, 0, 0x12, data(500, 4), aeth(1), src=B, dst=A, sport=49300)
+    rep = validate_capture(write_pcap(tmp_path / "two.pcap", [req1, req2, *resp1, resp2]))
+    assert rep.ok and rep.checked["reth_length"] == 2, rep.as_dict()
+    short = rocev2(0x10, 0, 0x12, data(496, 4), aeth(1), src=B, dst=A, sport=49300)
+    rep = validate_capture(write_pcap(tmp_path / "bad.pcap", [req1, req2, *resp1, short]))
+    (v,) = only(rep, "reth_length")
+    assert v.frame == 6 and v.message == "RETH DMA length 500 but the RDMA READ carries 496 bytes"
+
+
 def test_wrong_pad_count(tmp_path):
     frames = good_frames()
     # WRITE ONLY of 61 bytes carries pad 3; claim pad 2 (payload then looks like 62 bytes)

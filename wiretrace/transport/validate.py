@@ -455,7 +455,8 @@ class _StreamChecker:
         self.ids: dict[bytes, int] = {}
         self.streams: list[_Stream] = []
         self.pmtu = 0                         # path MTU seen (largest FIRST/MIDDLE payload)
-        self.reads: dict[tuple, tuple] = {}   # (requester, responder, psn) -> (dma, frame)
+        self.reads: dict[tuple, tuple] = {}   # (requester, responder, psn, sport) -> (dma, frame)
+        self.read_ports: dict[tuple, set] = {}  # (requester, responder, psn) -> UDP source ports
         # request streams by (source, destination, UDP source port): pairs ACK streams with the
         # requests they acknowledge (RoCEv2 NICs use one UDP source port for both directions
         # of a connection, hashed from the two QPNs as Linux rdma_calc_flow_label does)
@@ -651,21 +652,25 @@ class _StreamChecker:
 
         # READ responses of one request: consecutive PSNs, bytes against the request's RETH
         # (requests are registered first: in a batch they precede their responses)
+        # (by endpoints, UDP source port and PSN: two QPs of one connection may both have a
+        # request at one PSN; a RoCEv2 NIC sends a QP's requests and responses from one port)
         for i in np.nonzero((fam == FAM_READ_REQ) & (dma >= 0))[0]:
-            self.reads[(ep_src[i].tobytes(), ep_dst[i].tobytes(), int(psn[i]))] = (
-                int(dma[i]), int(frame[i]))
+            ends3 = (ep_src[i].tobytes(), ep_dst[i].tobytes(), int(psn[i]))
+            self.reads[(*ends3, self.streams[gid[i]].sport)] = (int(dma[i]), int(frame[i]))
+            self.read_ports.setdefault(ends3, set()).add(self.streams[gid[i]].sport)
         rr = fam == FAM_READ_RESP
         if rr.any():
             pr_psn = prev_among(~ack, psn, "last_psn", -1)
             cont = rr & np.isin(pos, (POS_MIDDLE, POS_LAST)) & (pr_psn >= 0) & open_before
+            rep.checked["psn"] += int(cont.sum())
             bad = np.nonzero(cont & ((psn - pr_psn) % PSN_MOD != 1))[0]
             if len(bad):
                 rep.add(frame[bad], qp[bad], "psn",
                         [f"READ response PSN {int(psn[i])} does not follow {int(pr_psn[i])}"
                          for i in bad])
             for i in np.nonzero(ends & rr)[0]:
-                k = (ep_dst[i].tobytes(), ep_src[i].tobytes(), int(seg_psn[i]))
-                hit = self.reads.pop(k, None)
+                hit = self._pop_read((ep_dst[i].tobytes(), ep_src[i].tobytes(), int(seg_psn[i])),
+                                     self.streams[gid[i]].sport)
                 if hit is None:
                     continue
                 rep.checked["reth_length"] += 1
@@ -674,6 +679,11 @@ class _StreamChecker:
         if len(self.reads) > 1_000_000:  # unanswered READs of a huge capture: keep the newest
             for k in list(self.reads)[:len(self.reads) // 2]:
                 del self.reads[k]
+                ports = self.read_ports.get(k[:3])
+                if ports is not None:
+                    ports.discard(k[3])
+                    if not ports:
+                        del self.read_ports[k[:3]]
 
         # -- ACK / MSN ---------------------------------------------------------------------------
         aeth = resp & (msn >= 0)
@@ -743,6 +753,22 @@ class _StreamChecker:
                                                           int(seg_psn[i]))
                 else:
                     st.msg_sum, st.msg_dma, st.msg_psn = 0, -1, -1
+
+    def _pop_read(self, ends3: tuple, sport: int) -> tuple | None:
+        """The READ request a response ending at ``ends3`` (requester, responder, first PSN)
+        answers: the one sent from the response's UDP source port, else the only one at those
+        endpoints and PSN (a NIC that answers from another port); None when unknown."""
+        ports = self.read_ports.get(ends3)
+        if not ports:
+            return None
+        if sport not in ports:
+            if len(ports) != 1:
+                return None
+            sport = next(iter(ports))
+        ports.discard(sport)
+        if not ports:
+            del self.read_ports[ends3]
+        return self.reads.pop((*ends3, sport), None)
 
     def _partner(self, g: int) -> _Stream | None:
         """The request stream an ACK stream answers, when exactly one candidate exists."""
