@@ -314,6 +314,33 @@ def test_reads_of_two_qps_at_one_psn_are_told_apart_by_udp_port(tmp_path):
     assert v.frame == 6 and v.message == "RETH DMA length 500 but the RDMA READ carries 496 bytes"
 
 
+def test_one_wrong_msn_is_one_violation(tmp_path):
+    """The first ACK of a stream carries a wrong MSN (4 for 1): the next ACK is reported going
+    back from it, and the ACKs after that are judged against the corrected count again, not
+    reported one by one."""
+    frames = good_frames()
+    frames[3] = edit(frames[3], BTH_AT + 12, aeth(4))
+    rep = validate_capture(write_pcap(tmp_path / "msn.pcap", frames))
+    (v,) = only(rep, "ack_msn")
+    assert (v.frame, v.message) == (6, "MSN 2 goes back from 4")
+    assert rep.checked["ack_msn"] == 5
+
+
+def test_a_lost_first_packet_does_not_lengthen_the_message_before(tmp_path):
+    """Two WRITEs on one QP; the second loses its FIRST packet. The orphaned MIDDLE and LAST are
+    reported (no FIRST, PSN gap) and are not added to the first WRITE, which stays clean."""
+    frames = [rocev2(0x06, 0, QP_B, data(1024), reth(1500)),
+              rocev2(0x08, 1, QP_B, data(476, 1)),
+              # rocev2(0x06, 2, QP_B, data(1024, 2), reth(2100)) is lost
+              rocev2(0x07, 3, QP_B, data(1024, 3)),
+              rocev2(0x08, 4, QP_B, data(52, 4))]
+    rep = validate_capture(write_pcap(tmp_path / "lost.pcap", frames))
+    assert rep.checked["reth_length"] == 1 and rep.total_violations == 2, rep.as_dict()
+    assert sorted((v.frame, v.check, v.message) for v in rep.violations) == [
+        (3, "opcode_sequence", "RC_RDMA_WRITE_MIDDLE without a FIRST (previous packet was LAST)"),
+        (3, "psn", "PSN gap: expected 2, got 3 (1 PSN(s) missing)")]
+
+
 def test_wrong_pad_count(tmp_path):
     frames = good_frames()
     # WRITE ONLY of 61 bytes carries pad 3; claim pad 2 (payload then looks like 62 bytes)

@@ -621,7 +621,9 @@ class _StreamChecker:
 
         # -- message sums: RETH DMA length of WRITEs, READ responses -----------------------------
         starts = np.isin(pos, (POS_FIRST, POS_ONLY)) & ~ack
-        seg_start = starts | first
+        # a MIDDLE/LAST without its FIRST (reported above) opens a segment of its own, of
+        # unknown DMA length: its bytes are not added to the message that ended before it
+        seg_start = starts | first | bad_cont
         seg = np.cumsum(seg_start) - 1
         cs = np.cumsum(pl * ~ack)
         seg_first = np.nonzero(seg_start)[0]
@@ -631,7 +633,7 @@ class _StreamChecker:
         carried_sum = np.zeros(len(seg_first), dtype=np.int64)
         carried_dma = np.full(len(seg_first), -1, dtype=np.int64)
         carried_psn = np.full(len(seg_first), -1, dtype=np.int64)
-        for k in np.nonzero(~starts[seg_first])[0]:  # only a stream's first rows can continue
+        for k in np.nonzero(~starts[seg_first] & ~bad_cont[seg_first])[0]:  # a stream's first rows
             st = self.streams[gid[seg_first[k]]]
             carried_sum[k], carried_dma[k], carried_psn[k] = st.msg_sum, st.msg_dma, st.msg_psn
         upto = upto + carried_sum[seg]
@@ -815,11 +817,15 @@ class _StreamChecker:
             offset = (int(msn[i]) - s.acked) % PSN_MOD
             if r.msn_offset < 0:
                 r.msn_offset = offset
-            elif offset != r.msn_offset and int(frame[i]) not in self.flagged:
-                want = (r.msn_offset + s.acked) % PSN_MOD
-                self.rep.add([frame[i]], [qp[i]], "ack_msn",
-                             [f"MSN {int(msn[i])} acknowledging PSN {int(psn[i])}, expected {want}"
-                              f" ({k} request message(s) completed since the previous ACK)"])
+            elif offset != r.msn_offset:
+                if int(frame[i]) not in self.flagged:
+                    want = (r.msn_offset + s.acked) % PSN_MOD
+                    self.rep.add([frame[i]], [qp[i]], "ack_msn",
+                                 [f"MSN {int(msn[i])} acknowledging PSN {int(psn[i])}, expected {want}"
+                                  f" ({k} request message(s) completed since the previous ACK)"])
+                # the next ACKs are judged against this one (one wrong MSN is one violation,
+                # not one for every ACK after it, as PSN gaps are)
+                r.msn_offset = offset
 
     def _compare_dma(self, idx, upto, seg_dma, pad, frame, qp, what: str) -> None:
         if not len(idx):
