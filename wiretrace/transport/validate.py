@@ -444,6 +444,7 @@ class _Stream:
     acked: int = 0               # requests: messages counted by ACKs so far
     ends_lost: bool = False      # requests: ``ends`` overflowed, the count restarts
     partner: int = -1            # responses: request stream they acknowledge (-1 unknown)
+    msn_alt: int = -1            # responses: MSN offset of the last ACK that disagreed
     msn_offset: int = -1         # responses: MSN minus messages counted (-1 not yet known)
 
 
@@ -817,15 +818,20 @@ class _StreamChecker:
             offset = (int(msn[i]) - s.acked) % PSN_MOD
             if r.msn_offset < 0:
                 r.msn_offset = offset
-            elif offset != r.msn_offset:
+            elif offset == r.msn_offset:
+                r.msn_alt = -1
+            elif offset == r.msn_alt:
+                # two ACKs in a row agree with each other, not with the count so far (which a
+                # wrong first ACK, or a message the responder counted twice, set): they are the
+                # count from here on, and the fault was reported once, at the first of them
+                r.msn_offset, r.msn_alt = offset, -1
+            else:
                 if int(frame[i]) not in self.flagged:
                     want = (r.msn_offset + s.acked) % PSN_MOD
                     self.rep.add([frame[i]], [qp[i]], "ack_msn",
                                  [f"MSN {int(msn[i])} acknowledging PSN {int(psn[i])}, expected {want}"
                                   f" ({k} request message(s) completed since the previous ACK)"])
-                # the next ACKs are judged against this one (one wrong MSN is one violation,
-                # not one for every ACK after it, as PSN gaps are)
-                r.msn_offset = offset
+                r.msn_alt = offset
 
     def _compare_dma(self, idx, upto, seg_dma, pad, frame, qp, what: str) -> None:
         if not len(idx):
