@@ -158,8 +158,8 @@ def _files(d: Path) -> set[str]:
     return {str(p.relative_to(d)) for p in d.rglob("*")}
 
 
-def write_plan(tmp_path: Path, mutate) -> Path:
-    d = json.loads((SAMPLES / "gpt2-small-2x4.json").read_text())
+def write_plan(tmp_path: Path, mutate, base: Path = SAMPLES / "gpt2-small-2x4.json") -> Path:
+    d = json.loads(base.read_text())
     mutate(d)
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(d))
@@ -325,6 +325,18 @@ def test_a_refused_run_leaves_no_directory_it_made(tmp_path: Path, args):
                    *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert _files(tmp_path) == set() and not (tmp_path / "a").exists()
+
+
+def test_a_step_size_that_would_fill_the_memory_is_refused_before_lowering(tmp_path: Path):
+    """llama3-8b-4x8 with 4 KiB NCCL steps: its network calls would lower to well over 10^8
+    messages (tens of GB); refused at once, in one line, naming the setting."""
+    plan = write_plan(tmp_path, lambda d: d.setdefault("collectives", {}).update(step_bytes="4KiB"),
+                      SAMPLES / "llama3-8b-4x8.json")
+    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: the network calls would lower to about ")
+    assert "collectives.step_bytes 4,096 B" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "x.pcap").exists() and not (tmp_path / "x.parquet").exists()
 
 
 def test_max_packets_refuses_with_estimate_and_leaves_nothing(tmp_path: Path):

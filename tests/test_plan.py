@@ -90,6 +90,7 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"parallelism": {"tp": 16, "pp": 1, "dp": 2}}, "num_key_value_heads = 8 is not divisible by tp = 16"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
+    ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 4,096 B"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "virtual_stages": 2}},
      "virtual_stages = 2 needs pp_schedule interleaved (1f1b runs one model chunk per pipeline rank)"),
     ({"model": {"preset": "gpt2-small"}, "parallelism": {"tp": 4, "pp": 2, "dp": 4},

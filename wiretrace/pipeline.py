@@ -267,23 +267,45 @@ def _spans_nodes(coll: pa.Table, topo: topology.Topology) -> np.ndarray:
     return np.where(lens > 0, mn != mx, False)
 
 
-def shards(coll: pa.Table, topo: topology.Topology) -> Iterator[pa.Table]:
+def rough_messages(coll: pa.Table, step_bytes: int) -> np.ndarray:
+    """A rough count of the messages each call lowers to (a ring moves 2(n-1) slices of at most
+    ``step_bytes`` per rank); the lowering gives up to a few times more (channels, CTS)."""
+    n = coll.column("group_size").to_numpy().astype(np.int64)
+    b = np.maximum(coll.column("bytes_per_rank").to_numpy(), 1)
+    return n * 2 * np.maximum(1, n - 1) * np.maximum(1, b // (step_bytes * np.maximum(1, n)))
+
+
+MAX_ROUGH_MESSAGES = 10_000_000
+"""Network-spanning calls are lowered together; above this rough message count
+(:func:`rough_messages`, a few times fewer than the lowering makes) they would not fit in memory."""
+
+
+def shards(coll: pa.Table, topo: topology.Topology, step_bytes: int = 512 * 1024) -> Iterator[pa.Table]:
     """Split calls into shards: every network-spanning call together, then NVLink-only
     communicators grouped into shards of about NVLINK_SHARD_MESSAGES messages (whole
-    communicators)."""
+    communicators).
+
+    Raises
+    ------
+    WiretraceError : the network-spanning calls would lower to more messages than fit in memory
+        (:data:`MAX_ROUGH_MESSAGES`; a very small ``collectives.step_bytes``)."""
     if coll.num_rows == 0:
         return
     net = _spans_nodes(coll, topo)
     if net.any():
-        yield coll.filter(pa.array(net))
+        sub = coll.filter(pa.array(net))
+        rough = int(rough_messages(sub, step_bytes).sum())
+        if rough > MAX_ROUGH_MESSAGES:
+            raise WiretraceError(
+                f"the network calls would lower to about {rough:,} messages or more with collectives.step_bytes "
+                f"{step_bytes:,} B: too many to hold; raise step_bytes (NCCL's steps are 512 KiB by default) "
+                f"or keep fewer calls with --parallelism")
+        yield sub
     local = coll.filter(pa.array(~net))
     if local.num_rows == 0:
         return
     groups = local.column("group").to_numpy()
-    # rough message count: a ring moves 2(n-1) slices per rank per call
-    n = local.column("group_size").to_numpy().astype(np.int64)
-    b = np.maximum(local.column("bytes_per_rank").to_numpy(), 1)
-    est = n * 2 * np.maximum(1, n - 1) * np.maximum(1, b // (512 * 1024 * np.maximum(1, n)))
+    est = rough_messages(local, step_bytes)
     order = np.argsort(groups, kind="stable")
     g_sorted = groups[order]
     bounds = np.flatnonzero(np.diff(g_sorted)) + 1
@@ -308,7 +330,7 @@ def lower_and_time(coll: pa.Table, topo: topology.Topology, plan: Plan, sel: Sel
     from . import collectives, transport
 
     next_id = 0
-    for shard in shards(coll, topo):
+    for shard in shards(coll, topo, plan.collectives.step_bytes):
         msgs = collectives.lower(shard, topo, plan, rings=rings) if rings else collectives.lower(shard, topo, plan)
         if len(msgs["msg_id"]) == 0:
             continue
@@ -344,6 +366,11 @@ def _concat(chunks: list[dict]) -> dict:
     if not chunks:
         return {}
     return {k: np.concatenate([np.asarray(c[k]) for c in chunks]) for k in chunks[0]}
+
+
+EARLY_STOP_MESSAGES = 1_000_000
+"""Network messages beyond which a run over ``--max-packets`` stops while lowering, before
+the packet estimate (which names the packets and bytes) is reached."""
 
 
 COMMITTED: list[Path] = []
@@ -658,6 +685,13 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             is_net = msgs["link"] == "network"
             summary.messages += len(is_net)
             summary.network_messages += int(is_net.sum())
+            # each network message is a packet at least: stop a run that cannot pass --max-packets
+            # before its messages fill the memory (small ones reach the estimate below)
+            if summary.network_messages > max(max_packets, EARLY_STOP_MESSAGES):
+                raise WiretraceError(
+                    f"this run has at least {summary.network_messages:,} network messages, so more "
+                    f"packets than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism "
+                    f"or --window START:END (ns), or raise --max-packets")
             summary.nvlink_messages += int((~is_net).sum())
             if len(is_net):
                 summary.last_message_ns = max(summary.last_message_ns, int(msgs["t_end_ns"].max()))

@@ -267,6 +267,10 @@ def _require_object(doc: Any) -> None:
         raise PlanError(f"plan: expected a JSON object ({{\"model\": ..., \"cluster\": ...}}), not {kind}")
 
 
+MIN_STEP_BYTES = 4096
+"""Smallest ``collectives.step_bytes`` accepted: one 4 KiB path MTU."""
+
+
 def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str = "",
               require_model: bool = True) -> Plan:
     """Build a :class:`Plan` from a parsed JSON document (see :func:`load`)."""
@@ -305,6 +309,10 @@ def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str 
     training = Training(**tr)
     if "step_bytes" in co:
         co["step_bytes"] = parse_size(co["step_bytes"], "plan $.collectives.step_bytes")
+        if co["step_bytes"] < MIN_STEP_BYTES:
+            raise PlanError(f"plan $.collectives.step_bytes: {co['step_bytes']:,} B is below the "
+                            f"minimum {MIN_STEP_BYTES:,} B (NCCL's steps are NCCL_BUFFSIZE / 8, 512 KiB by default; "
+                            "a step smaller than a packet multiplies the messages without changing the packets)")
     if "ring_order" in co:
         co["ring_order"] = tuple(co["ring_order"])
     collectives = Collectives(**co)
