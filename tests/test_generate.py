@@ -304,13 +304,17 @@ def test_outputs_that_are_not_wiretraces_are_refused_up_front(tmp_path: Path, ca
 @pytest.mark.parametrize("transport,snaplen,noted", [({}, 40, "BTH"), ({}, 54, "RETH"), ({}, 70, None),
                                                      ({"ip_version": 6, "vlan": 7}, 70, "BTH"),
                                                      ({"ip_version": 6, "vlan": 7}, 81, "RETH"),
-                                                     ({"ip_version": 6, "vlan": 7}, 94, None)])
+                                                     ({"ip_version": 6, "vlan": 7}, 94, None),
+                                                     ({"kind": "ib", "grh": True}, 59, "BTH"),
+                                                     ({"kind": "ib", "grh": True}, 61, "RETH"),
+                                                     ({"kind": "ib", "grh": True}, 76, None)])
 def test_a_snaplen_before_the_end_of_the_bth_is_noted(tmp_path: Path, transport, snaplen, noted):
     """A snap length that cuts frames inside their headers (before the BTH ends: 54 bytes for
-    IPv4, 78 for IPv6 with a VLAN tag; or before the RETH ends: 70 and 94) still writes the
-    capture, with a note naming the bytes."""
+    IPv4, 78 for IPv6 with a VLAN tag, 60 for native IB with a GRH; or before the RETH ends: 70,
+    94 and 76) still writes the capture, with a note naming the bytes."""
     plan = write_plan(tmp_path, lambda d: d["transport"].update(transport))
-    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap", "--snaplen", snaplen,
+    out_file = tmp_path / ("x.erf" if transport.get("kind") == "ib" else "x.pcap")
+    proc = run_cli("generate", "--plan", plan, "-o", out_file, "--snaplen", snaplen,
                    "--window", "5ms:6ms", "--no-parquet")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
@@ -351,6 +355,7 @@ def test_max_packets_refuses_with_estimate_and_leaves_nothing(tmp_path: Path):
     (["--ranks", "3-1"], "--ranks"),
     (["--parallelism", "xp"], "unknown xp"),
     (["--window", "5:1"], "--window"),
+    (["--snaplen", "4294967296"], "'--snaplen': 4294967296 is not in the range 0<=x<=262144"),
     (["--plan", "/nonexistent/plan.json"], "cannot read plan"),
 ])
 def test_bad_options_exit_2(tmp_path: Path, args, fragment):

@@ -219,9 +219,12 @@ def _fmt_bytes(n: float) -> str:
               help="Capture format, any case [default: from the suffix of -o, else pcap]. Native "
                    "InfiniBand (transport kind ib) goes into ERF type 21 records, in an .erf file or "
                    "inside pcap/pcapng (link type 197), as ibdump writes IB ports.")
-@click.option("--snaplen", type=click.IntRange(min=0), default=128, show_default=True,
-              help="Bytes kept of each frame; 0 keeps whole frames (deterministic payload bytes). "
-                   "The original frame length is always recorded.")
+@click.option("--snaplen", type=click.IntRange(min=0, max=262144), default=128, show_default=True,
+              help="Bytes kept of each frame, up to 262144 (the largest Wireshark and tcpdump accept); 0 "
+                   "keeps whole frames (deterministic payload bytes). The original frame length is always "
+                   "recorded. At 128 every header is kept and no payload: Wireshark then shows "
+                   "'Invalid Packet Length from LRH! [Malformed Packet]' in the Info column, as for any "
+                   "capture cut short (an Info text, not an error).")
 @click.option("--split", type=click.Choice(["nic"]),
               help="nic: -o is a directory that receives one capture per sending NIC, named after "
                    "it (node0-mlx5_1.pcap; with rotation node0-mlx5_1.pcap1, ...).")

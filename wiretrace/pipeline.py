@@ -640,6 +640,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         from .transport import headers as H
 
         through_bth = layout.base_header_len(plan)
+        if plan.transport.kind == "ib" and (plan.transport.grh or plan.cluster.subnets > 1):
+            through_bth += H.GRH.length                 # frames with a GRH: the longest headers
         if 0 < snaplen < through_bth:
             summary.notes.append(f"--snaplen {snaplen} cuts every frame before the end of its BTH (this plan's "
                                  f"headers through the BTH take {through_bth} bytes), so `wiretrace validate` "
