@@ -684,3 +684,32 @@ def test_a_capture_larger_than_the_free_space_is_refused_before_writing(tmp_path
     s = pipeline.run_generate(plan, tmp_path / "small.pcap", snaplen=64, parquet_dir=None, write_parquet=False,
                               selection=pipeline.Selection(window=pipeline.parse_window("5ms:6ms")))
     assert s.packets == 11_632
+
+
+def test_a_window_without_packets_names_the_traffic_span(tmp_path: Path):
+    proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "w.pcap",
+                   "--window", "1s:2s", "--no-parquet")
+    assert proc.returncode == 0, proc.stderr
+    full = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "all.pcap", check=True)
+    pk = pq.read_table(tmp_path / "all.parquet" / "packets.parquet")
+    note = [line for line in proc.stderr.splitlines() if line.startswith("note: --window")]
+    assert len(note) == 1 and note[0].startswith("note: --window 1,000,000,000:2,000,000,000 ns holds no packet; "
+                                                 "this run's network messages span ")
+    first, last = (int(x.replace(",", "")) for x in note[0].split("span ")[1].removesuffix(" ns").split(" to "))
+    m = pq.read_table(tmp_path / "all.parquet" / "messages.parquet").to_pydict()
+    net = [i for i, link in enumerate(m["link"]) if link == "network"]
+    assert first == min(m["t_start_ns"][i] for i in net) == pk.column("ts_ns").to_numpy().min()
+    assert last == max(m["t_end_ns"][i] for i in net) and full.returncode == 0
+
+
+def test_ecn_marks_and_cnps_are_counted_in_the_summary(tmp_path: Path):
+    plan = write_plan(tmp_path, lambda d: d["transport"].update(ecn_marking={"fraction": 0.05}))
+    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "e.pcap", check=True)
+    pk = pq.read_table(tmp_path / "e.parquet" / "packets.parquet")
+    op = pk.column("opcode").to_numpy()
+    ecn = pk.column("ecn").to_numpy()
+    ce, cnps = int(((ecn == 3) & (op != 0x81)).sum()), int((op == 0x81).sum())
+    assert ce > 1000 and cnps > 1000
+    assert f"ecn            {ce:,} data packets marked CE, {cnps:,} CNPs" in proc.stdout.splitlines()
+    plain = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "p.pcap", check=True)
+    assert "ecn " not in plain.stdout

@@ -91,6 +91,10 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
     ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 4,096 B"),
+    ({"transport": {"kind": "ib", "dscp": 46}}, "plan $.transport.dscp: native InfiniBand frames have no IP header"),
+    ({"transport": {"ack": {"window": "0us"}}}, "plan $.transport.ack.window: must be above 0"),
+    ({"transport": {"ecn_marking": {"cnp_interval": "4us"}}}, "plan $.transport.ecn_marking: give fraction"),
+    ({"seed": 2 ** 70}, "plan $.seed"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "virtual_stages": 2}},
      "virtual_stages = 2 needs pp_schedule interleaved (1f1b runs one model chunk per pipeline rank)"),
     ({"model": {"preset": "gpt2-small"}, "parallelism": {"tp": 4, "pp": 2, "dp": 4},
@@ -115,6 +119,18 @@ def test_invalid_json_gives_line_and_column(tmp_path: Path):
     with pytest.raises(PlanError) as e:
         P.load(f)
     assert "line 2 column" in str(e.value)
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path):
+    """JSON parsers keep the last of two equal keys: a plan with "transport" twice would lose the
+    first silently."""
+    f = tmp_path / "p.json"
+    f.write_text('{"model": {"preset": "gpt2-small"}, "transport": {"dscp": 46}, "transport": {},'
+                 ' "cluster": {"nodes": 1, "gpus_per_node": 1}}')
+    with pytest.raises(PlanError) as e:
+        P.load(f)
+    assert str(e.value) == (f"plan {f}: key 'transport' appears twice in one object (JSON would keep "
+                            "only the last); remove one")
 
 
 def test_a_binary_file_given_as_plan_is_refused_in_one_line(tmp_path: Path):

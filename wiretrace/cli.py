@@ -280,6 +280,8 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     click.echo(f"collectives    {s.collectives:,}")
     click.echo(f"messages       {s.messages:,} ({s.network_messages:,} network, {s.nvlink_messages:,} NVLink)")
     click.echo(f"packets        {s.packets:,}")
+    if s.ce_marked >= 0:
+        click.echo(f"ecn            {s.ce_marked:,} data packets marked CE, {s.cnps:,} CNPs")
     click.echo(f"network bytes  {_fmt_bytes(s.network_bytes)} payload, {_fmt_bytes(s.wire_bytes)} in frames")
     if s.iteration_ns:
         click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")

@@ -76,6 +76,8 @@ class Summary:
     estimate: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     tcp_messages: int = 0
+    ce_marked: int = -1               # data packets marked CE (-1: no ECN marking in the plan)
+    cnps: int = -1                    # CNPs sent (-1: no ECN marking in the plan)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -670,9 +672,14 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         net_chunks: list[dict] = []
         done = 0
         window = selection.window
+        span = [np.iinfo(np.int64).max, -1]       # first start, last end of network messages (ns)
         kept_ops: set[int] = set()
         for msgs in lower_and_time(coll, topo, plan, selection, rings=measured.rings or None):
             if window is not None:
+                on_net = msgs["link"] == "network"
+                if on_net.any():                    # the traffic's span, for an empty window
+                    span[0] = min(span[0], int(msgs["t_start_ns"][on_net].min()))
+                    span[1] = max(span[1], int(msgs["t_end_ns"][on_net].max()))
                 # the tables keep what overlaps the window; the transport still sees every
                 # earlier network message, so that PSNs match the whole iteration's capture
                 inside = (msgs["t_start_ns"] < window[1]) & (msgs["t_end_ns"] > window[0])
@@ -733,6 +740,10 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
 
         pkt_writer = TableWriter(pq_tmp / "packets.parquet", "packets") if pq_tmp else None
 
+        marking = bool(plan.transport.ecn_marking)
+        if marking:
+            summary.ce_marked = summary.cnps = 0
+
         def packet_chunks() -> Iterator[dict]:
             written = 0
             for chunk in transport.packetize(net, topo, plan):
@@ -748,6 +759,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 summary.wire_bytes += int(np.asarray(chunk["frame_len"], dtype=np.int64).sum())
                 carries_data = np.asarray(chunk["opcode"]) != CNP_OPCODE
                 summary.network_bytes += int(np.asarray(chunk["payload_len"], dtype=np.int64)[carries_data].sum())
+                if marking:
+                    summary.cnps += int(n - carries_data.sum())
+                    summary.ce_marked += int((carries_data & (np.asarray(chunk["ecn"]) == 3)).sum())
                 if pkt_writer:
                     pkt_writer.write(chunk)
                 written += n
@@ -770,6 +784,10 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 k += 1
         if pkt_writer:
             pkt_writer.close()
+        if window is not None and summary.packets == 0:
+            where = (f"this run's network messages span {span[0]:,} to {span[1]:,} ns" if span[1] >= 0
+                     else "this run has no network traffic")
+            summary.notes.append(f"--window {window[0]:,}:{window[1]:,} ns holds no packet; {where}")
         if window is not None:
             # a window keeps the calls whose messages overlap it, whether or not tables are written
             coll = coll.filter(pc.is_in(coll.column("op_id"), pa.array(sorted(kept_ops), type=pa.int64())))

@@ -336,8 +336,23 @@ def _check_transport(tr: Transport) -> None:
     elif tr.grh:
         raise PlanError("plan $.transport.grh: a GRH belongs to native InfiniBand (kind \"ib\"); RoCEv2 "
                         "frames carry an IP header instead")
+    if tr.kind == "ib" and (tr.dscp != 26 or tr.ecn != "ect0"):
+        name = "dscp" if tr.dscp != 26 else "ecn"
+        raise PlanError(f"plan $.transport.{name}: native InfiniBand frames have no IP header to carry "
+                        f"DSCP and ECN (their GRH traffic class is 0); remove {name} or use kind \"rocev2\"")
+    if tr.kind == "ib" and tr.ecn_marking:
+        raise PlanError("plan $.transport.ecn_marking: CE marks and CNPs are modelled for RoCEv2 (IP ECN "
+                        "bits); remove ecn_marking or use kind \"rocev2\"")
     if isinstance(tr.ack, Mapping) and "every_packets" in tr.ack and "window" in tr.ack:
         raise PlanError("plan $.transport.ack: give either every_packets or window, not both")
+    if isinstance(tr.ack, Mapping) and "window" in tr.ack \
+            and parse_duration_ns(tr.ack["window"], "plan $.transport.ack.window") <= 0:
+        raise PlanError("plan $.transport.ack.window: must be above 0 (a window of 0 would acknowledge "
+                        "each message, as ack \"message\" does)")
+    if tr.ecn_marking is not None and not {"fraction", "queue_bytes"} & set(tr.ecn_marking):
+        raise PlanError("plan $.transport.ecn_marking: give fraction (a seeded share of data packets "
+                        "marked CE) or queue_bytes (mark when the NIC queue holds more), or both; "
+                        "without either nothing is marked")
 
 
 def check_consistency(plan: Plan, require_model: bool = True) -> None:
@@ -418,8 +433,17 @@ def load(path: str | Path, require_model: bool = True) -> Plan:
         raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise PlanError(f"plan {path}: not a JSON text file (byte {e.start} is not UTF-8)") from None
+    def unique_keys(pairs: list) -> dict:
+        seen: dict = {}
+        for k, v in pairs:
+            if k in seen:
+                raise PlanError(f"plan {path}: key {k!r} appears twice in one object (JSON would keep "
+                                f"only the last); remove one")
+            seen[k] = v
+        return seen
+
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as e:
         raise PlanError(f"plan {path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     return from_dict(doc, base_dir=path.parent, source=str(path), require_model=require_model)
