@@ -55,7 +55,7 @@ PLAN = str(SAMPLES / "gpt2-small-2x4.json")
     (["generate", "--plan", PLAN, "-o", "{out}", "--snaplen", "abc"],
      "error: invalid value for '--snaplen': 'abc' is not a valid integer range."),
     (["generate", "--plan", PLAN, "-o", "{out}", "--snaplen", "-1"],
-     "error: invalid value for '--snaplen': -1 is not in the range x>=0."),
+     "error: invalid value for '--snaplen': -1 is not in the range 0<=x<=262144."),
     (["generate", "-o", "{out}"], "error: missing option '--plan'."),
     (["generate", "--plan", PLAN, "-o", "{out}", "--forse"],
      "error: no such option '--forse'. (Did you mean one of: '--force', '--format'?)"),

@@ -253,6 +253,13 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     Open out/iter.pcap in Wireshark; RoCEv2 decodes on UDP port 4791. Filters such as
     infiniband.bth.opcode == 9 (the last packet of each data message), infiniband.bth.destqp,
     infiniband.reth.dmalen.
+
+    Timestamps are the time since the iteration start, counted from 1970-01-01 00:00:00 UTC
+    (Wireshark shows 1970-01-01 00:00:00.005374664 for 5.374664 ms). NIC k of node n has MAC
+    02:00:00:NH:NL:kk, IPv4 10.<rail>.0.0 + n + 1, IPv6 fd00::<rail>:0:<n+1>, LID
+    n * nics_per_node + k + 1. What goes on the wire (verb, ACK policy, path MTU, IPv4/IPv6,
+    VLAN and PCP, DSCP and ECN, ECN marking, native IB) is set in the plan's transport section
+    (README "The plan", schemas/plan.schema.json); the options here choose what is written.
     """
     from . import pipeline
     from .plan import load, parse_size
@@ -440,6 +447,10 @@ def explain(plan_path, corpus, tokenizer, as_json):
 @handle_errors
 def validate(capture, as_json, max_violations, show, quiet):
     """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other).
+
+    RoCEv2 is UDP to port 4791 over Ethernet (802.1Q and QinQ tags too), Linux cooked (SLL,
+    SLL2) or raw IPv4/IPv6 link types; native InfiniBand is link type 197 (ERF type 21, as
+    ibdump writes) or 247. Other frames are counted and skipped.
 
     Per frame: IPv4 header checksum, ICRC (and VCRC for native IB), lengths and pad count. Per
     QP: PSN continuity (mod 2^24; READ requests consume one PSN per response), opcode sequences
