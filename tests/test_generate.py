@@ -713,3 +713,48 @@ def test_ecn_marks_and_cnps_are_counted_in_the_summary(tmp_path: Path):
     assert f"ecn            {ce:,} data packets marked CE, {cnps:,} CNPs" in proc.stdout.splitlines()
     plain = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "p.pcap", check=True)
     assert "ecn " not in plain.stdout
+
+
+def test_the_capture_streams_to_standard_output(tmp_path: Path):
+    """-o - writes the same bytes as a file would, on standard output; the summary goes to
+    standard error; no tables unless --parquet; splitting and rotation are refused; a reader that
+    stops early ends the run with one line and status 141 (128 + SIGPIPE)."""
+    import signal
+    import sys
+
+    plan = SAMPLES / "gpt2-small-2x4.json"
+    cmd = [sys.executable, "-m", "wiretrace.cli", "generate", "--plan", str(plan), "--window", "5.4ms:5.5ms"]
+    run_cli("generate", "--plan", plan, "--window", "5.4ms:5.5ms", "-o", tmp_path / "f.pcap", "--no-parquet",
+            check=True)
+    with open(tmp_path / "s.pcap", "wb") as out:
+        proc = subprocess.run([*cmd, "-o", "-"], stdout=out, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "s.pcap").read_bytes() == (tmp_path / "f.pcap").read_bytes()
+    assert "capture        standard output" in proc.stderr.splitlines()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.pcap", "s.pcap"]      # no tables, no "-"
+    r = subprocess.run([*cmd, "-o", "-", "--split", "nic"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: --split: standard output (-o -) is one stream")
+    p = subprocess.Popen([*cmd, "-o", "-", "--window", "5ms:9ms", "-q"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert len(p.stdout.read(100)) == 100
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 128 + signal.SIGPIPE
+    assert err.splitlines() == ["wiretrace: standard output was closed by its reader; the capture it "
+                                "received is incomplete"]
+
+
+def test_a_capture_is_not_written_to_a_terminal(tmp_path: Path):
+    import pty
+    import sys
+
+    master, slave = pty.openpty()
+    try:
+        r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "generate", "--plan",
+                            str(SAMPLES / "gpt2-small-2x4.json"), "-o", "-"], stdout=slave,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert r.returncode == 2 and r.stderr.startswith("error: -o -: standard output is a terminal")

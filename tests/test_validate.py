@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -908,3 +909,16 @@ def test_an_empty_erf_file_is_an_empty_capture_but_an_empty_pcap_is_not(tmp_path
     pcap.write_bytes(b"")
     res = run_cli(pcap)
     assert res.exit_code == 2 and res.output.startswith("error: ") and "empty file" in res.output
+
+
+def test_validate_reads_standard_input(tmp_path):
+    """CAPTURE '-' reads the capture from standard input (tcpdump -w - | wiretrace validate -)."""
+    path = write_pcap(tmp_path / "good.pcap", good_frames())
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", "-", "--json"],
+                       stdin=path.open("rb"), capture_output=True, text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and doc["file"] == "standard input" and doc["frames"] == 18
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", "-"], input="hello\n",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr == ("error: standard input: not a capture: first bytes 68656c6c6f0a "
+                                              "are neither pcap nor pcapng magic nor an ERF record header\n")

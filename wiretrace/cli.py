@@ -206,7 +206,9 @@ def _fmt_bytes(n: float) -> str:
                    "collectives and transport sections are used.")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Capture to write (a directory with --split nic); its suffix chooses the format "
-                   "(.pcap, .pcapng, .erf). Missing parent directories are created.")
+                   "(.pcap, .pcapng, .erf). Missing parent directories are created. '-' streams the "
+                   "capture to standard output (pcap unless --format; tables only with --parquet; "
+                   "the summary goes to standard error), e.g. -o - | tshark -r - or wireshark -k -i -.")
 @click.option("--schedule", "schedule_path", type=click.Path(path_type=Path),
               help="Use a measured schedule instead of the plan's workload: a directory or "
                    "collectives.parquet from `wiretrace schedule`, or an NCCL log / profiler trace / "
@@ -271,36 +273,53 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
     mfs = parse_size(max_file_size, "--max-file-size") if max_file_size else None
     if schedule_path is not None and not Path(schedule_path).exists():
         raise WiretraceError(f"--schedule: {schedule_path}: no such file or directory")
+    to_stdout = str(output) == "-"
+    if to_stdout and sys.stdout.isatty():
+        raise WiretraceError("-o -: standard output is a terminal; pipe the capture into a program "
+                             "(| tshark -r -) or redirect it to a file")
+    if to_stdout and parquet_dir is None:
+        no_parquet = True
     bar = _Progress(quiet)
     try:
         s = pipeline.run_generate(plan, output, parquet_dir=parquet_dir, write_parquet=not no_parquet,
                                   schedule=schedule_path, snaplen=snaplen, fmt=fmt, split=split,
                                   max_file_size=mfs, max_packets=max_packets, selection=sel,
                                   force=force, progress=bar)
+    except BrokenPipeError:
+        if not to_stdout:
+            raise
+        # the reader went away (| tshark -c 10): say so once, no traceback, 128 + SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        bar.close()
+        click.echo("wiretrace: standard output was closed by its reader; the capture it received is "
+                   "incomplete", err=True)
+        sys.exit(128 + signal.SIGPIPE)
     finally:
         bar.close()
     for note in s.notes:
         click.echo(f"note: {note}", err=True)
     if quiet:
         return
-    click.echo(f"plan           {plan.name}")
-    click.echo(f"collectives    {s.collectives:,}")
-    click.echo(f"messages       {s.messages:,} ({s.network_messages:,} network, {s.nvlink_messages:,} NVLink)")
-    click.echo(f"packets        {s.packets:,}")
+    echo = functools.partial(click.echo, err=to_stdout)     # the capture owns standard output
+    echo(f"plan           {plan.name}")
+    echo(f"collectives    {s.collectives:,}")
+    echo(f"messages       {s.messages:,} ({s.network_messages:,} network, {s.nvlink_messages:,} NVLink)")
+    echo(f"packets        {s.packets:,}")
     if s.ce_marked >= 0:
-        click.echo(f"ecn            {s.ce_marked:,} data packets marked CE, {s.cnps:,} CNPs")
-    click.echo(f"network bytes  {_fmt_bytes(s.network_bytes)} payload, {_fmt_bytes(s.wire_bytes)} in frames")
+        echo(f"ecn            {s.ce_marked:,} data packets marked CE, {s.cnps:,} CNPs")
+    echo(f"network bytes  {_fmt_bytes(s.network_bytes)} payload, {_fmt_bytes(s.wire_bytes)} in frames")
     if s.iteration_ns:
-        click.echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
+        echo(f"iteration      {s.iteration_ns / 1e6:,.3f} ms estimated (compute + exposed communication)")
     if s.messages:
-        click.echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start (timed with NCCL step "
-                   f"dependencies and link sharing" + ("; the estimate above is analytical)" if s.iteration_ns else ")"))
+        echo(f"last message   {s.last_message_ns / 1e6:,.3f} ms after iteration start (timed with NCCL step "
+             f"dependencies and link sharing" + ("; the estimate above is analytical)" if s.iteration_ns else ")"))
     else:
-        click.echo("last message   none: nothing was selected (check --ranks, --parallelism, --window)")
+        echo("last message   none: nothing was selected (check --ranks, --parallelism, --window)")
     captures = s.outputs[:-1] if not no_parquet else s.outputs
-    click.echo(f"capture        {captures[0]}" + (f" (+{len(captures) - 1} rotated files)" if len(captures) > 1 else ""))
+    shown = "standard output" if to_stdout else captures[0]
+    echo(f"capture        {shown}" + (f" (+{len(captures) - 1} rotated files)" if len(captures) > 1 else ""))
     if not no_parquet:
-        click.echo(f"parquet        {s.outputs[-1]}")
+        echo(f"parquet        {s.outputs[-1]}")
 
 
 def _print_busbw_check(rows: list[dict]) -> None:
@@ -446,7 +465,8 @@ def explain(plan_path, corpus, tokenizer, as_json):
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @handle_errors
 def validate(capture, as_json, max_violations, show, quiet):
-    """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other).
+    """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other); CAPTURE '-'
+    reads standard input (tcpdump -w - | wiretrace validate -).
 
     RoCEv2 is UDP to port 4791 over Ethernet (802.1Q and QinQ tags too), Linux cooked (SLL,
     SLL2) or raw IPv4/IPv6 link types; native InfiniBand is link type 197 (ERF type 21, as
@@ -473,10 +493,29 @@ def validate(capture, as_json, max_violations, show, quiet):
     from .transport.validate import print_report, validate_capture
 
     bar = _Progress(quiet)
+    stdin_copy = None
     try:
-        report = validate_capture(capture, max_violations=max_violations, progress=bar)
+        if str(capture) == "-":
+            # a stream (tcpdump -w - | wiretrace validate -) is read whole into a temporary file,
+            # since the reader moves through the capture by offsets
+            import shutil
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(prefix="wiretrace-stdin-", suffix=".cap", delete=False) as f:
+                stdin_copy = Path(f.name)
+                shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+        try:
+            report = validate_capture(stdin_copy or capture, max_violations=max_violations, progress=bar)
+        except WiretraceError as e:
+            if stdin_copy is None:
+                raise
+            raise type(e)(str(e).replace(str(stdin_copy), "standard input")) from None
+        if stdin_copy is not None:
+            report.path = "standard input"
     finally:
         bar.close()
+        if stdin_copy is not None:
+            stdin_copy.unlink(missing_ok=True)
     status = 0 if report.ok else 1
 
     class PipeConsole(Console):

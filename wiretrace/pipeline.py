@@ -584,6 +584,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     ----------
     plan : validated plan (cluster-only when ``schedule`` is given).
     output : capture path; its suffix chooses pcap / pcapng / erf unless ``fmt`` is given.
+        ``-`` streams the capture to standard output (pcap unless ``fmt``; no split or
+        rotation; tables only with ``parquet_dir``; a failed run leaves what was streamed).
     parquet_dir : directory for collectives/messages/packets.parquet; default ``<stem>.parquet``
         beside the capture.
     snaplen : bytes kept per frame (0 keeps whole frames); the original length is always recorded.
@@ -597,7 +599,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     """
     from . import collectives as coll_stage
     from . import io as wio
-    from .io.write import SUFFIX_FORMATS, format_for
+    from .io.write import STDOUT, SUFFIX_FORMATS, format_for
     from . import transport
 
     def tick(stage: str, done: int, total: int | None = None) -> None:
@@ -608,6 +610,13 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
     summary = Summary()
     topo = topology.build(plan)
     output = Path(output)
+    to_stdout = str(output) == STDOUT
+    if to_stdout:
+        if split is not None or max_file_size is not None:
+            raise WiretraceError(f"{'--split' if split is not None else '--max-file-size'}: standard output "
+                                 "(-o -) is one stream; splitting and rotation need files")
+        if parquet_dir is None:
+            write_parquet = False               # tables only where --parquet DIR says
     if max_file_size is not None:
         least = min_file_size(plan, topo, output, snaplen=snaplen, fmt=fmt, split=split)
         if max_file_size < least["bytes"]:
@@ -618,7 +627,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 f"record of the largest frame ({least['record_header']} + {least['frame']:,} bytes{cut})")
     if parquet_dir is None:
         parquet_dir = output.with_name(output.stem + ".parquet")
-    if write_parquet:
+    if write_parquet and not to_stdout:
         a, b = Path(os.path.abspath(output)), Path(os.path.abspath(parquet_dir))
         if a == b or a in b.parents or b in a.parents:
             raise WiretraceError(f"--parquet {parquet_dir} and -o {output}: the tables directory and the capture "
@@ -631,7 +640,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                                  f"to overwrite it")
     staging = _Staging(force)
     try:
-        cap_tmp = staging.claim(output, is_dir=(split == "nic"), owns=capture_file)
+        cap_tmp = output if to_stdout else staging.claim(output, is_dir=(split == "nic"), owns=capture_file)
         pq_tmp = staging.claim(Path(parquet_dir), is_dir=True, owns=table_file) if write_parquet else None
 
         tick("schedule", 0)
@@ -657,7 +666,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if fmt and split is None and suffix_fmt and suffix_fmt != fmt.lower():
             summary.notes.append(f"{Path(output).name} holds {fmt.lower()} records (--format), not what its "
                                  f"{Path(output).suffix} suffix suggests")
-        elif not fmt and split is None and suffix_fmt is None:
+        elif not fmt and split is None and suffix_fmt is None and not to_stdout:
             summary.notes.append(f"{Path(output).name}: no .pcap, .pcapng or .erf suffix; writing pcap "
                                  f"(choose with --format)")
         if selection.ranks is not None and max(selection.ranks) >= topo.world_size:
@@ -731,7 +740,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                 f"this run would write about {est['packets']:,} packets (~{human_bytes(est['capture_bytes'])}), "
                 f"more than --max-packets {max_packets:,}; narrow it with --ranks, --parallelism dp,tp,pp,... "
                 f"or --window START:END (ns), or raise --max-packets")
-        free = shutil.disk_usage(cap_tmp.parent).free
+        free = float("inf") if to_stdout else shutil.disk_usage(cap_tmp.parent).free
         if est["capture_bytes"] > free:
             raise WiretraceError(
                 f"this run would write about {human_bytes(est['capture_bytes'])} of capture "
@@ -771,7 +780,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         stats = wio.write_capture(cap_tmp, packet_chunks(), topo, plan, snaplen=snaplen,
                                   fmt=format_for(output, fmt), split=split,
                                   max_file_size=max_file_size)
-        if split is None:
+        if split is None and not to_stdout:
             # rotated files (tcpdump -C naming): <tmp>1, <tmp>2 ... become <output>1, <output>2 ...
             staging.adopt([(f, output.with_name(output.name + f.name[len(cap_tmp.name):]))
                            for f in map(Path, stats.get("files", []))
@@ -811,7 +820,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             summary.notes.append(f"{summary.tcp_messages:,} network messages went over NET/Socket (TCP) in the "
                                  f"measured run{why}: kept in messages.parquet, not rendered as RoCEv2 packets")
         staging.commit()
-        summary.outputs = [str(final) for _, final in staging.committed if final != Path(parquet_dir)]
+        summary.outputs = [str(output)] if to_stdout else []
+        summary.outputs += [str(final) for _, final in staging.committed if final != Path(parquet_dir)]
         summary.outputs += [str(parquet_dir)] if write_parquet else []
     except BaseException:
         staging.abort()

@@ -23,6 +23,7 @@ import abc
 import ctypes
 import errno
 import os
+import sys
 import queue
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -273,6 +274,36 @@ class _File:
         self.tmp.unlink(missing_ok=True)
 
 
+class _Stdout(_File):
+    """The capture streamed to standard output (``-o -``): no temporary name, nothing to rename
+    or remove; what was written stays written."""
+
+    def __init__(self, header: bytes):
+        self.path = Path("-")
+        self.fd = sys.stdout.fileno()
+        self.tmp = None
+        self.size = 0
+        self.packets = 0
+        if header:
+            self.size += _writev_all(self.fd, [memoryview(header)])
+
+    def _open(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        """Standard output stays open (the process closes it)."""
+
+    def commit(self) -> None:
+        """Nothing to rename."""
+
+    def abort(self) -> None:
+        """A stream cannot be taken back."""
+
+
+STDOUT = "-"
+"""The output name that streams the capture to standard output."""
+
+
 BY_REFERENCE_BYTES = 512
 """Chunks whose frames capture this many payload bytes on average send the payload from
 :data:`~wiretrace.transport.render.PAYLOAD_PATTERN` (one more iovec a record) instead of
@@ -370,6 +401,9 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
     if max_file_size is not None and max_file_size <= len(header):
         raise WiretraceError(f"--max-file-size {max_file_size} is smaller than the {fmt.name} file header")
     files: list[_File] = []
+    to_stdout = str(path) == STDOUT
+    if to_stdout and max_file_size is not None:
+        raise WiretraceError("--max-file-size: standard output (-o -) is one stream; rotation needs files")
 
     def put(slots: np.ndarray, reclen: np.ndarray, holes: Holes | None, iov: np.ndarray | None) -> None:
         """Append one chunk's records (runs on the I/O thread, one chunk after another); ``iov``:
@@ -426,7 +460,7 @@ def write_stream(path: str | Path, packet_chunks: Iterable[dict], fmt: Format,
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-write") as writer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="wiretrace-render") as renderer:
         try:
-            files.append(_File(_rotated_name(path, 0), header))
+            files.append(_Stdout(header) if to_stdout else _File(_rotated_name(path, 0), header))
             for chunk in packet_chunks:
                 n = len(chunk["ts_ns"])
                 if n == 0:
