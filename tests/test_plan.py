@@ -90,7 +90,7 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"parallelism": {"tp": 16, "pp": 1, "dp": 2}}, "num_key_value_heads = 8 is not divisible by tp = 16"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "ep": 2}}, "ep = 2 but the model has no experts"),
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
-    ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 4,096 B"),
+    ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 256 B"),
     ({"transport": {"kind": "ib", "dscp": 46}}, "plan $.transport.dscp: native InfiniBand frames have no IP header"),
     ({"transport": {"ack": {"window": "0us"}}}, "plan $.transport.ack.window: must be above 0"),
     ({"transport": {"ecn_marking": {"cnp_interval": "4us"}}}, "plan $.transport.ecn_marking: give fraction"),

@@ -922,3 +922,24 @@ def test_validate_reads_standard_input(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr == ("error: standard input: not a capture: first bytes 68656c6c6f0a "
                                               "are neither pcap nor pcapng magic nor an ERF record header\n")
+
+
+def test_validate_a_directory_checks_each_capture(tmp_path):
+    """A directory (as generate --split nic writes) has each capture checked on its own; the
+    status is 1 when any of them has a violation, and the last line names it."""
+    d = tmp_path / "split"
+    d.mkdir()
+    write_pcap(d / "node0-mlx5_0.pcap", good_frames())
+    frames = good_frames()
+    frames[0] = frames[0][:-1] + bytes([frames[0][-1] ^ 1])                 # flip an ICRC byte
+    write_pcap(d / "node1-mlx5_0.pcap", frames)
+    (d / "notes.txt").write_text("not a capture")
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["ok"] is False
+    assert [(Path(c["file"]).name, c["ok"]) for c in doc["captures"]] == [("node0-mlx5_0.pcap", True),
+                                                                         ("node1-mlx5_0.pcap", False)]
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout.splitlines()[-1] == f"{d}: 2 captures, 1 clean, 1 not (node1-mlx5_0.pcap)"

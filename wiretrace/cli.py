@@ -466,7 +466,8 @@ def explain(plan_path, corpus, tokenizer, as_json):
 @handle_errors
 def validate(capture, as_json, max_violations, show, quiet):
     """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other); CAPTURE '-'
-    reads standard input (tcpdump -w - | wiretrace validate -).
+    reads standard input (tcpdump -w - | wiretrace validate -), a directory (generate --split
+    nic) has each of its captures checked on its own.
 
     RoCEv2 is UDP to port 4791 over Ethernet (802.1Q and QinQ tags too), Linux cooked (SLL,
     SLL2) or raw IPv4/IPv6 link types; native InfiniBand is link type 197 (ERF type 21, as
@@ -492,6 +493,16 @@ def validate(capture, as_json, max_violations, show, quiet):
 
     from .transport.validate import print_report, validate_capture
 
+    if capture.is_dir():
+        import re
+
+        files = sorted(p for p in capture.iterdir()
+                       if p.is_file() and re.fullmatch(r".+\.(pcap|pcapng|erf|cap)\d*", p.name))
+        if not files:
+            raise WiretraceError(f"{capture}: a directory without captures (.pcap, .pcapng, .erf, .cap)")
+    else:
+        files = [capture]
+    reports = []
     bar = _Progress(quiet)
     stdin_copy = None
     try:
@@ -504,29 +515,42 @@ def validate(capture, as_json, max_violations, show, quiet):
             with tempfile.NamedTemporaryFile(prefix="wiretrace-stdin-", suffix=".cap", delete=False) as f:
                 stdin_copy = Path(f.name)
                 shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
-        try:
-            report = validate_capture(stdin_copy or capture, max_violations=max_violations, progress=bar)
-        except WiretraceError as e:
-            if stdin_copy is None:
-                raise
-            raise type(e)(str(e).replace(str(stdin_copy), "standard input")) from None
-        if stdin_copy is not None:
-            report.path = "standard input"
+            files = [stdin_copy]
+        for path in files:
+            try:
+                report = validate_capture(path, max_violations=max_violations, progress=bar)
+            except WiretraceError as e:
+                if stdin_copy is None:
+                    raise
+                raise type(e)(str(e).replace(str(stdin_copy), "standard input")) from None
+            if stdin_copy is not None:
+                report.path = "standard input"
+            reports.append(report)
     finally:
         bar.close()
         if stdin_copy is not None:
             stdin_copy.unlink(missing_ok=True)
-    status = 0 if report.ok else 1
+    status = 0 if all(r.ok for r in reports) else 1
 
     class PipeConsole(Console):
         def on_broken_pipe(self) -> None:          # rich would exit with status 1
             raise BrokenPipeError
 
     try:
-        if as_json:
-            click.echo(json.dumps(report.as_dict(), indent=2))
+        if as_json and len(reports) == 1 and not capture.is_dir():
+            click.echo(json.dumps(reports[0].as_dict(), indent=2))
+        elif as_json:
+            click.echo(json.dumps({"directory": str(capture), "ok": status == 0,
+                                   "captures": [r.as_dict() for r in reports]}, indent=2))
         else:
-            print_report(report, show=show, console=PipeConsole())
+            console = PipeConsole()
+            for r in reports:
+                print_report(r, show=show, console=console)
+            if capture.is_dir():
+                bad = [Path(r.path).name for r in reports if not r.ok]
+                console.print(f"{capture}: {len(reports)} captures, {len(reports) - len(bad)} clean"
+                              + (f", {len(bad)} not ({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
+                                 if bad else ""), soft_wrap=True, markup=False, highlight=False)
         sys.stdout.flush()
     except BrokenPipeError:
         # the reader went away (| head): no traceback, and no second error when Python flushes

@@ -267,8 +267,9 @@ def _require_object(doc: Any) -> None:
         raise PlanError(f"plan: expected a JSON object ({{\"model\": ..., \"cluster\": ...}}), not {kind}")
 
 
-MIN_STEP_BYTES = 4096
-"""Smallest ``collectives.step_bytes`` accepted: one 4 KiB path MTU."""
+MIN_STEP_BYTES = 256
+"""Smallest ``collectives.step_bytes`` accepted: the smallest path MTU (runs that would lower to
+more messages than fit in memory are refused before lowering, see ``pipeline.shards``)."""
 
 
 def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str = "",
@@ -312,7 +313,7 @@ def from_dict(doc: Mapping[str, Any], base_dir: Path | None = None, source: str 
         if co["step_bytes"] < MIN_STEP_BYTES:
             raise PlanError(f"plan $.collectives.step_bytes: {co['step_bytes']:,} B is below the "
                             f"minimum {MIN_STEP_BYTES:,} B (NCCL's steps are NCCL_BUFFSIZE / 8, 512 KiB by default; "
-                            "a step smaller than a packet multiplies the messages without changing the packets)")
+                            "the smallest path MTU is 256 B)")
     if "ring_order" in co:
         co["ring_order"] = tuple(co["ring_order"])
     collectives = Collectives(**co)
