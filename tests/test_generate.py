@@ -332,15 +332,20 @@ def test_a_refused_run_leaves_no_directory_it_made(tmp_path: Path, args):
 
 
 def test_a_step_size_that_would_fill_the_memory_is_refused_before_lowering(tmp_path: Path):
-    """llama3-8b-4x8 with 4 KiB NCCL steps: its network calls would lower to well over 10^8
-    messages (tens of GB); refused at once, in one line, naming the setting."""
+    """llama3-8b-4x8 with 4 KiB NCCL steps: one tensor-parallel communicator's calls would lower
+    to about 10^9 messages, its data-parallel network calls to about 10^8 (hundreds of GB); refused
+    at once, in one line, naming the setting and the memory (--ranks keeps whole calls, so it
+    does not make them smaller)."""
     plan = write_plan(tmp_path, lambda d: d.setdefault("collectives", {}).update(step_bytes="4KiB"),
                       SAMPLES / "llama3-8b-4x8.json")
-    proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap")
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: the network calls would lower to about ")
-    assert "collectives.step_bytes 4,096 B" in proc.stderr and len(proc.stderr.splitlines()) == 1
-    assert not (tmp_path / "x.pcap").exists() and not (tmp_path / "x.parquet").exists()
+    for extra, what in (([], "the NVLink calls of communicator "), (["--ranks", "0"], "the NVLink calls of "),
+                        (["--parallelism", "dp"], "the network calls")):
+        proc = run_cli("generate", "--plan", plan, "-o", tmp_path / "x.pcap", *extra)
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"error: {what}") and " would lower to about " in proc.stderr
+        assert "collectives.step_bytes 4,096 B, about " in proc.stderr and "this machine has available" in proc.stderr
+        assert len(proc.stderr.splitlines()) == 1
+        assert not (tmp_path / "x.pcap").exists() and not (tmp_path / "x.parquet").exists()
 
 
 def test_max_packets_refuses_with_estimate_and_leaves_nothing(tmp_path: Path):

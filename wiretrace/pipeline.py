@@ -277,37 +277,68 @@ def rough_messages(coll: pa.Table, step_bytes: int) -> np.ndarray:
     return n * 2 * np.maximum(1, n - 1) * np.maximum(1, b // (step_bytes * np.maximum(1, n)))
 
 
-MAX_ROUGH_MESSAGES = 10_000_000
-"""Network-spanning calls are lowered together; above this rough message count
-(:func:`rough_messages`, a few times fewer than the lowering makes) they would not fit in memory."""
+LOWERING_BYTES_PER_MESSAGE = 600
+"""Peak bytes of memory per message while a shard is lowered and timed (measured 566-581 B on the
+sample plans at several step sizes)."""
+
+ROUGH_FACTOR = 2
+"""Messages the lowering makes per :func:`rough_messages` (measured 1.3 on llama3-8b-4x8's
+network calls, 2.0 on the demo's: clear-to-send credits and channels)."""
+
+
+def memory_available() -> int:
+    """Bytes of memory this machine can give without swapping (``MemAvailable`` of
+    /proc/meminfo; the physical memory where that is not readable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_shard_fits(rough: int, what: str, step_bytes: int) -> None:
+    """Raise WiretraceError when lowering a shard of ``rough`` (:func:`rough_messages`) messages
+    would take more than half the memory available: a shard is lowered and timed at once."""
+    need = rough * ROUGH_FACTOR * LOWERING_BYTES_PER_MESSAGE
+    avail = memory_available()
+    if need > avail // 2:
+        raise WiretraceError(
+            f"{what} would lower to about {rough * ROUGH_FACTOR:,} messages with collectives.step_bytes "
+            f"{step_bytes:,} B, about {human_bytes(need)} to hold at once, more than half of the "
+            f"{human_bytes(avail)} this machine has available; raise step_bytes (NCCL's steps are 512 KiB "
+            f"by default) or keep fewer calls with --parallelism")
 
 
 def shards(coll: pa.Table, topo: topology.Topology, step_bytes: int = 512 * 1024) -> Iterator[pa.Table]:
     """Split calls into shards: every network-spanning call together, then NVLink-only
     communicators grouped into shards of about NVLINK_SHARD_MESSAGES messages (whole
-    communicators).
+    communicators: the calls of one run one after another).
 
     Raises
     ------
-    WiretraceError : the network-spanning calls would lower to more messages than fit in memory
-        (:data:`MAX_ROUGH_MESSAGES`; a very small ``collectives.step_bytes``)."""
+    WiretraceError : the network-spanning calls, or one NVLink communicator's, would lower to
+        more messages than fit in memory (:func:`check_shard_fits`; a small
+        ``collectives.step_bytes``). Checked before anything is lowered."""
     if coll.num_rows == 0:
         return
     net = _spans_nodes(coll, topo)
+    local = coll.filter(pa.array(~net))
+    if local.num_rows:
+        groups = local.column("group").to_numpy()
+        est = rough_messages(local, step_bytes)
+        per_group = np.bincount(np.unique(groups, return_inverse=True)[1], weights=est)
+        worst = int(np.argmax(per_group))
+        check_shard_fits(int(per_group[worst]), f"the NVLink calls of communicator "
+                         f"{int(np.unique(groups)[worst])}", step_bytes)
     if net.any():
         sub = coll.filter(pa.array(net))
-        rough = int(rough_messages(sub, step_bytes).sum())
-        if rough > MAX_ROUGH_MESSAGES:
-            raise WiretraceError(
-                f"the network calls would lower to about {rough:,} messages or more with collectives.step_bytes "
-                f"{step_bytes:,} B: too many to hold; raise step_bytes (NCCL's steps are 512 KiB by default) "
-                f"or keep fewer calls with --parallelism")
+        check_shard_fits(int(rough_messages(sub, step_bytes).sum()), "the network calls", step_bytes)
         yield sub
-    local = coll.filter(pa.array(~net))
     if local.num_rows == 0:
         return
-    groups = local.column("group").to_numpy()
-    est = rough_messages(local, step_bytes)
     order = np.argsort(groups, kind="stable")
     g_sorted = groups[order]
     bounds = np.flatnonzero(np.diff(g_sorted)) + 1
