@@ -943,3 +943,27 @@ def test_validate_a_directory_checks_each_capture(tmp_path):
     r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout.splitlines()[-1] == f"{d}: 2 captures, 1 clean, 1 not (node1-mlx5_0.pcap)"
+
+
+@pytest.mark.parametrize("kind,suffix", [("rocev2", "pcap"), ("ib", "erf")])
+def test_generated_reads_over_several_qps_per_connection_are_clean(tmp_path, kind, suffix):
+    """RDMA READ over 4 QPs per connection: the QPs of one connection issue requests at the same
+    PSNs; every response is paired with its own request (by UDP port over RoCEv2; over native IB,
+    which has no port, by the request whose length it carries), so the capture is clean and every
+    READ's length is checked."""
+    from conftest import SAMPLES
+
+    plan = json.loads((SAMPLES / "gpt2-small-2x4.json").read_text())
+    plan["transport"] = {"kind": kind, "verb": "read"}
+    plan.setdefault("collectives", {})["qps_per_connection"] = 4
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    out = tmp_path / f"r.{suffix}"
+    g = subprocess.run([sys.executable, "-m", "wiretrace.cli", "generate", "--plan", str(tmp_path / "p.json"),
+                        "-o", str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0, g.stderr
+    import pyarrow.parquet as pq
+
+    op = pq.read_table(tmp_path / "r.parquet" / "packets.parquet").column("opcode").to_numpy()
+    rep = validate_capture(out)
+    assert rep.ok, rep.as_dict()
+    assert rep.checked["reth_length"] == int((op == 0x0C).sum()) > 100

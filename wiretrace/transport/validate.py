@@ -456,8 +456,9 @@ class _StreamChecker:
         self.ids: dict[bytes, int] = {}
         self.streams: list[_Stream] = []
         self.pmtu = 0                         # path MTU seen (largest FIRST/MIDDLE payload)
-        self.reads: dict[tuple, tuple] = {}   # (requester, responder, psn, sport) -> (dma, frame)
-        self.read_ports: dict[tuple, set] = {}  # (requester, responder, psn) -> UDP source ports
+        # READ requests awaiting their responses: (requester, responder, psn) -> [(sport, dma, frame)]
+        self.reads: dict[tuple, list] = {}
+        self.n_reads = 0
         # request streams by (source, destination, UDP source port): pairs ACK streams with the
         # requests they acknowledge (RoCEv2 NICs use one UDP source port for both directions
         # of a connection, hashed from the two QPNs as Linux rdma_calc_flow_label does)
@@ -655,12 +656,11 @@ class _StreamChecker:
 
         # READ responses of one request: consecutive PSNs, bytes against the request's RETH
         # (requests are registered first: in a batch they precede their responses)
-        # (by endpoints, UDP source port and PSN: two QPs of one connection may both have a
-        # request at one PSN; a RoCEv2 NIC sends a QP's requests and responses from one port)
+        # (see :meth:`_pop_read`: two QPs of one connection may both have a request at one PSN)
         for i in np.nonzero((fam == FAM_READ_REQ) & (dma >= 0))[0]:
             ends3 = (ep_src[i].tobytes(), ep_dst[i].tobytes(), int(psn[i]))
-            self.reads[(*ends3, self.streams[gid[i]].sport)] = (int(dma[i]), int(frame[i]))
-            self.read_ports.setdefault(ends3, set()).add(self.streams[gid[i]].sport)
+            self.reads.setdefault(ends3, []).append((self.streams[gid[i]].sport, int(dma[i]), int(frame[i])))
+            self.n_reads += 1
         rr = fam == FAM_READ_RESP
         if rr.any():
             pr_psn = prev_among(~ack, psn, "last_psn", -1)
@@ -673,20 +673,15 @@ class _StreamChecker:
                          for i in bad])
             for i in np.nonzero(ends & rr)[0]:
                 hit = self._pop_read((ep_dst[i].tobytes(), ep_src[i].tobytes(), int(seg_psn[i])),
-                                     self.streams[gid[i]].sport)
+                                     self.streams[gid[i]].sport, int(upto[i]))
                 if hit is None:
                     continue
                 rep.checked["reth_length"] += 1
-                self._compare_dma(np.array([i]), upto, np.full(n, hit[0]), pad, frame, qp,
+                self._compare_dma(np.array([i]), upto, np.full(n, hit[1]), pad, frame, qp,
                                   "RDMA READ")
-        if len(self.reads) > 1_000_000:  # unanswered READs of a huge capture: keep the newest
+        if self.n_reads > 1_000_000:  # unanswered READs of a huge capture: keep the newest
             for k in list(self.reads)[:len(self.reads) // 2]:
-                del self.reads[k]
-                ports = self.read_ports.get(k[:3])
-                if ports is not None:
-                    ports.discard(k[3])
-                    if not ports:
-                        del self.read_ports[k[:3]]
+                self.n_reads -= len(self.reads.pop(k))
 
         # -- ACK / MSN ---------------------------------------------------------------------------
         aeth = resp & (msn >= 0)
@@ -757,21 +752,36 @@ class _StreamChecker:
                 else:
                     st.msg_sum, st.msg_dma, st.msg_psn = 0, -1, -1
 
-    def _pop_read(self, ends3: tuple, sport: int) -> tuple | None:
-        """The READ request a response ending at ``ends3`` (requester, responder, first PSN)
-        answers: the one sent from the response's UDP source port, else the only one at those
-        endpoints and PSN (a NIC that answers from another port); None when unknown."""
-        ports = self.read_ports.get(ends3)
-        if not ports:
+    def _pop_read(self, ends3: tuple, sport: int, got: int) -> tuple | None:
+        """The READ request ``(sport, dma, frame)`` a response ending at ``ends3`` (requester,
+        responder, first PSN) and carrying ``got`` bytes answers, taken off the waiting list:
+        the only one at those endpoints and PSN; else the only one sent from the response's UDP
+        source port (a RoCEv2 NIC sends a QP's requests and responses from one port); else the
+        only one asking for ``got`` bytes (native IB, which has no port: the response then agrees
+        with its request). None when none waits, or the candidates cannot be told apart (the
+        response is not checked then)."""
+        cands = self.reads.get(ends3)
+        if not cands:
             return None
-        if sport not in ports:
-            if len(ports) != 1:
-                return None
-            sport = next(iter(ports))
-        ports.discard(sport)
-        if not ports:
-            del self.read_ports[ends3]
-        return self.reads.pop((*ends3, sport), None)
+        pick = None
+        if len(cands) == 1:
+            pick = 0
+        else:
+            same = [k for k, c in enumerate(cands) if c[0] == sport]
+            pool = same if same else range(len(cands))
+            if len(same) == 1:
+                pick = same[0]
+            else:
+                fits = [k for k in pool if cands[k][1] == got]
+                if fits:
+                    pick = fits[0]
+        if pick is None:
+            return None
+        hit = cands.pop(pick)
+        self.n_reads -= 1
+        if not cands:
+            del self.reads[ends3]
+        return hit
 
     def _partner(self, g: int) -> _Stream | None:
         """The request stream an ACK stream answers, when exactly one candidate exists."""
