@@ -763,3 +763,33 @@ def test_a_capture_is_not_written_to_a_terminal(tmp_path: Path):
         os.close(slave)
         os.close(master)
     assert r.returncode == 2 and r.stderr.startswith("error: -o -: standard output is a terminal")
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path):
+    """Tables on a file system that fills up while they are written (a 256 KiB tmpfs): one line,
+    exit 2, nothing left behind; a capture streamed to a full disk says the capture is
+    incomplete. Mounting needs root (CI runs as root)."""
+    import sys
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("mounting a tmpfs needs root in CI")
+        pytest.skip("needs root to mount a tmpfs")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
+    try:
+        proc = run_cli("generate", "--plan", SAMPLES / "gpt2-small-2x4.json", "-o", tmp_path / "x.pcap",
+                       "--parquet", mnt / "pq", "-q")
+        assert proc.returncode == 2
+        assert proc.stderr == "error: cannot write: No space left on device; outputs not written\n"
+        assert list(mnt.iterdir()) == [] and not (tmp_path / "x.pcap").exists()
+        with open(mnt / "s.pcap", "wb") as out:
+            proc = subprocess.run([sys.executable, "-m", "wiretrace.cli", "generate", "--plan",
+                                   str(SAMPLES / "gpt2-small-2x4.json"), "-o", "-", "-q"],
+                                  stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert proc.returncode == 2
+        assert proc.stderr == ("error: cannot write standard output: No space left on device; the capture "
+                               "it received is incomplete\n")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -8,6 +8,7 @@ and exit status 2.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -42,6 +43,15 @@ def handle_errors(fn):
             fail(f"{e.filename}: is a directory")
         except PermissionError as e:
             fail(f"{e.filename}: permission denied")
+        except OSError as e:
+            # a full disk or quota while writing (the outputs were staged and are removed)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+                raise
+            if e.filename == "standard output":
+                fail(f"cannot write standard output: {os.strerror(e.errno)}; the capture it received is "
+                     "incomplete")
+            where = f" {e.filename}" if e.filename else ""
+            fail(f"cannot write{where}: {os.strerror(e.errno)}; outputs not written")
 
     return wrapper
 
@@ -279,6 +289,11 @@ def generate(plan_path, output, schedule_path, parquet_dir, no_parquet, fmt, sna
                              "(| tshark -r -) or redirect it to a file")
     if to_stdout and parquet_dir is None:
         no_parquet = True
+    if parquet_dir is not None and str(parquet_dir) == "-":
+        raise WiretraceError("--parquet -: the tables are files in a directory; only the capture (-o -) "
+                             "streams to standard output")
+    if parquet_dir is not None and no_parquet:
+        raise WiretraceError("--parquet and --no-parquet: give one or the other")
     bar = _Progress(quiet)
     try:
         s = pipeline.run_generate(plan, output, parquet_dir=parquet_dir, write_parquet=not no_parquet,
@@ -493,7 +508,7 @@ def validate(capture, as_json, max_violations, show, quiet):
 
     from .transport.validate import print_report, validate_capture
 
-    if capture.is_dir():
+    if str(capture) != "-" and capture.is_dir():
         import re
 
         files = sorted(p for p in capture.iterdir()
@@ -537,7 +552,7 @@ def validate(capture, as_json, max_violations, show, quiet):
             raise BrokenPipeError
 
     try:
-        if as_json and len(reports) == 1 and not capture.is_dir():
+        if as_json and (str(capture) == "-" or not capture.is_dir()):
             click.echo(json.dumps(reports[0].as_dict(), indent=2))
         elif as_json:
             click.echo(json.dumps({"directory": str(capture), "ok": status == 0,
@@ -546,7 +561,7 @@ def validate(capture, as_json, max_violations, show, quiet):
             console = PipeConsole()
             for r in reports:
                 print_report(r, show=show, console=console)
-            if capture.is_dir():
+            if str(capture) != "-" and capture.is_dir():
                 bad = [Path(r.path).name for r in reports if not r.ok]
                 console.print(f"{capture}: {len(reports)} captures, {len(reports) - len(bad)} clean"
                               + (f", {len(bad)} not ({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"

@@ -245,15 +245,27 @@ class _File:
     def write(self, slots: np.ndarray, lengths: np.ndarray, holes: Holes | None = None,
               rows: np.ndarray | None = None) -> None:
         """Append the first ``lengths[i]`` bytes of each row of ``slots`` (one record a row; only
-        ``rows`` when given), payload ``holes`` sent from the pattern (see :func:`_write_rows`)."""
-        self.size += _write_rows(self._open(), slots, lengths, holes, rows)
+        ``rows`` when given), payload ``holes`` sent from the pattern (see :func:`_write_rows`).
+        An OSError names the output (``filename``)."""
+        try:
+            self.size += _write_rows(self._open(), slots, lengths, holes, rows)
+        except OSError as e:
+            raise self._named(e) from None
         self.packets += len(lengths)
 
     def write_iov(self, iov: np.ndarray, records: int) -> None:
         """Append the byte ranges ``iov`` (a ``struct iovec`` array, see :func:`_writev_iov`)
         holding ``records`` records."""
-        self.size += _writev_iov(self._open(), iov)
+        try:
+            self.size += _writev_iov(self._open(), iov)
+        except OSError as e:
+            raise self._named(e) from None
         self.packets += records
+
+    def _named(self, e: OSError) -> OSError:
+        """``e`` with this output as its file name (a closed pipe stays a BrokenPipeError)."""
+        name = "standard output" if str(self.path) == STDOUT else str(self.path)
+        return type(e)(e.errno, e.strerror or os.strerror(e.errno or 0), name)
 
     def _open(self) -> int:
         if self.fd < 0:                    # closed to stay under the open-file limit: reopen
