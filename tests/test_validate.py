@@ -943,6 +943,23 @@ def test_validate_a_directory_checks_each_capture(tmp_path):
     r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout.splitlines()[-1] == f"{d}: 2 captures, 1 clean, 1 not (node1-mlx5_0.pcap)"
+    # a file that is not a capture: the others are still reported, the status is 2
+    (d / "node2-mlx5_0.pcap").write_bytes(b"garbage, not a capture")
+    write_pcap(d / "node2-mlx5_0.pcap1", good_frames())
+    write_pcap(d / "node2-mlx5_0.pcap10", good_frames())
+    write_pcap(d / "node2-mlx5_0.pcap2", good_frames())
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 2
+    assert [Path(c["file"]).name for c in doc["captures"]] == [
+        "node0-mlx5_0.pcap", "node1-mlx5_0.pcap", "node2-mlx5_0.pcap", "node2-mlx5_0.pcap1",
+        "node2-mlx5_0.pcap2", "node2-mlx5_0.pcap10"]                     # in rotation order
+    assert doc["captures"][2]["error"].endswith("are neither pcap nor pcapng magic nor an ERF record header")
+    r = subprocess.run([sys.executable, "-m", "wiretrace.cli", "validate", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout.splitlines()[-1] == (
+        f"{d}: 6 captures, 4 clean, 1 not (node1-mlx5_0.pcap), 1 not read (node2-mlx5_0.pcap)")
 
 
 @pytest.mark.parametrize("kind,suffix", [("rocev2", "pcap"), ("ib", "erf")])

@@ -482,7 +482,9 @@ def explain(plan_path, corpus, tokenizer, as_json):
 def validate(capture, as_json, max_violations, show, quiet):
     """Check a RoCEv2 / InfiniBand capture (pcap, pcapng, ERF; ours or any other); CAPTURE '-'
     reads standard input (tcpdump -w - | wiretrace validate -), a directory (generate --split
-    nic) has each of its captures checked on its own.
+    nic or --max-file-size) has each of its captures checked on its own, in rotation order (a
+    loss at a rotation boundary is not seen; exit status 2 when one cannot be read, the others
+    are still reported).
 
     RoCEv2 is UDP to port 4791 over Ethernet (802.1Q and QinQ tags too), Linux cooked (SLL,
     SLL2) or raw IPv4/IPv6 link types; native InfiniBand is link type 197 (ERF type 21, as
@@ -508,16 +510,22 @@ def validate(capture, as_json, max_violations, show, quiet):
 
     from .transport.validate import print_report, validate_capture
 
-    if str(capture) != "-" and capture.is_dir():
+    is_dir = str(capture) != "-" and capture.is_dir()
+    if is_dir:
         import re
 
-        files = sorted(p for p in capture.iterdir()
-                       if p.is_file() and re.fullmatch(r".+\.(pcap|pcapng|erf|cap)\d*", p.name))
+        def rotation_order(p: Path):        # iter.pcap, iter.pcap1, iter.pcap2, ..., iter.pcap10
+            m = re.fullmatch(r"(.+?)(\d*)", p.name)
+            return m.group(1), int(m.group(2) or -1)
+
+        files = sorted((p for p in capture.iterdir()
+                        if p.is_file() and re.fullmatch(r".+\.(pcap|pcapng|erf|cap)\d*", p.name)),
+                       key=rotation_order)
         if not files:
             raise WiretraceError(f"{capture}: a directory without captures (.pcap, .pcapng, .erf, .cap)")
     else:
         files = [capture]
-    reports = []
+    reports: list = []                      # a Report, or (path, error) for a file not read
     bar = _Progress(quiet)
     stdin_copy = None
     try:
@@ -535,6 +543,9 @@ def validate(capture, as_json, max_violations, show, quiet):
             try:
                 report = validate_capture(path, max_violations=max_violations, progress=bar)
             except WiretraceError as e:
+                if is_dir:                  # the other captures of the directory still count
+                    reports.append((path, str(e)))
+                    continue
                 if stdin_copy is None:
                     raise
                 raise type(e)(str(e).replace(str(stdin_copy), "standard input")) from None
@@ -545,27 +556,37 @@ def validate(capture, as_json, max_violations, show, quiet):
         bar.close()
         if stdin_copy is not None:
             stdin_copy.unlink(missing_ok=True)
-    status = 0 if all(r.ok for r in reports) else 1
+    unread = [r for r in reports if isinstance(r, tuple)]
+    checked = [r for r in reports if not isinstance(r, tuple)]
+    status = 2 if unread else (0 if all(r.ok for r in checked) else 1)
 
     class PipeConsole(Console):
         def on_broken_pipe(self) -> None:          # rich would exit with status 1
             raise BrokenPipeError
 
     try:
-        if as_json and (str(capture) == "-" or not capture.is_dir()):
-            click.echo(json.dumps(reports[0].as_dict(), indent=2))
+        if as_json and not is_dir:
+            click.echo(json.dumps(checked[0].as_dict(), indent=2))
         elif as_json:
-            click.echo(json.dumps({"directory": str(capture), "ok": status == 0,
-                                   "captures": [r.as_dict() for r in reports]}, indent=2))
+            click.echo(json.dumps({"directory": str(capture), "ok": status == 0, "captures": [
+                {"file": str(r[0]), "ok": False, "error": r[1]} if isinstance(r, tuple) else r.as_dict()
+                for r in reports]}, indent=2))
         else:
             console = PipeConsole()
             for r in reports:
-                print_report(r, show=show, console=console)
-            if str(capture) != "-" and capture.is_dir():
-                bad = [Path(r.path).name for r in reports if not r.ok]
-                console.print(f"{capture}: {len(reports)} captures, {len(reports) - len(bad)} clean"
-                              + (f", {len(bad)} not ({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
-                                 if bad else ""), soft_wrap=True, markup=False, highlight=False)
+                if isinstance(r, tuple):
+                    console.print(f"{r[0]}: not read: {r[1]}", soft_wrap=True, markup=False, highlight=False)
+                else:
+                    print_report(r, show=show, console=console)
+            if is_dir:
+                bad = [Path(r.path).name for r in checked if not r.ok]
+                n = len(reports)
+                line = f"{capture}: {n} capture{'s' if n != 1 else ''}, {n - len(bad) - len(unread)} clean"
+                if bad:
+                    line += f", {len(bad)} not ({', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''})"
+                if unread:
+                    line += f", {len(unread)} not read ({', '.join(Path(p).name for p, _ in unread[:5])})"
+                console.print(line, soft_wrap=True, markup=False, highlight=False)
         sys.stdout.flush()
     except BrokenPipeError:
         # the reader went away (| head): no traceback, and no second error when Python flushes
