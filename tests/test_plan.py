@@ -92,11 +92,15 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"cluster": {"nodes": 4, "gpus_per_node": 8, "nic_rate": "0Gbps"}}, "expected a rate above zero"),
     ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 256 B"),
     ({"transport": {"kind": "ib", "dscp": 46}}, "plan $.transport.dscp: native InfiniBand frames have no IP header"),
+    ({"transport": {"ecn_marking": {"fraction": 0}}}, "plan $.transport.ecn_marking.fraction: 0 marks nothing"),
+    ({"parallelism": {"tp": 8, "pp": 1, "dp": 4, "decoder_first_pipeline_num_layers": 5}},
+     "plan $.parallelism.decoder_first/last_pipeline_num_layers: first/last stage layer counts need pipeline "
+     "parallelism (pp > 1)"),
     ({"transport": {"ack": {"window": "0us"}}}, "plan $.transport.ack.window: must be above 0"),
     ({"transport": {"ecn_marking": {"cnp_interval": "4us"}}}, "plan $.transport.ecn_marking: give fraction"),
     ({"seed": 2 ** 70}, "plan $.seed"),
     ({"parallelism": {"tp": 8, "pp": 2, "dp": 2, "virtual_stages": 2}},
-     "virtual_stages = 2 needs pp_schedule interleaved (1f1b runs one model chunk per pipeline rank)"),
+     "plan $.parallelism.virtual_stages: 2 needs pp_schedule interleaved (1f1b runs one model chunk per pipeline rank)"),
     ({"model": {"preset": "gpt2-small"}, "parallelism": {"tp": 4, "pp": 2, "dp": 4},
       "training": {"seq_length": 2048}},
      "seq_length = 2048 exceeds the model's learned position table (max_position_embeddings = 1024)"),
@@ -131,6 +135,16 @@ def test_a_key_given_twice_is_refused(tmp_path: Path):
         P.load(f)
     assert str(e.value) == (f"plan {f}: key 'transport' appears twice in one object (JSON would keep "
                             "only the last); remove one")
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json_numbers(tmp_path: Path, constant):
+    f = tmp_path / "p.json"
+    f.write_text('{"model": {"preset": "gpt2-small"}, "training": {"mfu": %s}, '
+                 '"cluster": {"nodes": 1, "gpus_per_node": 1}}' % constant)
+    with pytest.raises(PlanError) as e:
+        P.load(f)
+    assert str(e.value) == f"plan {f}: {constant} is not a JSON number (give a number)"
 
 
 def test_a_binary_file_given_as_plan_is_refused_in_one_line(tmp_path: Path):

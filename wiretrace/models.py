@@ -419,6 +419,9 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int =
     PlanError : layers cannot be split as asked.
     """
     per_rank = [0] * pp
+    if pp == 1 and (first or last):
+        raise PlanError(f"plan $.parallelism.decoder_first/last_pipeline_num_layers: first/last stage layer counts need pipeline parallelism (pp > 1); "
+                        f"with pp = 1 one stage holds every layer")
     if pp == 1:
         per_rank = [num_layers]
     else:
@@ -428,14 +431,15 @@ def stage_layers(num_layers: int, pp: int, virtual_stages: int = 1, first: int =
         if last:
             per_rank[-1] = last; rest -= last; middle -= 1
         if rest < 0:
-            raise PlanError(f"plan: first/last stage layers {first} + {last} exceed num_hidden_layers = {num_layers}")
+            raise PlanError(f"plan $.parallelism.decoder_first/last_pipeline_num_layers: first/last stage layers {first} + {last} exceed num_hidden_layers = {num_layers}")
         if 0 < middle > rest:
-            raise PlanError(f"plan: first/last stage layers {first} + {last} leave {rest} of num_hidden_layers = "
+            raise PlanError(f"plan $.parallelism.decoder_first/last_pipeline_num_layers: first/last stage layers {first} + {last} leave {rest} of num_hidden_layers = "
                             f"{num_layers} for the {middle} other pipeline stages (at least one each)")
         if middle <= 0 and rest:
-            raise PlanError(f"plan: {num_layers} layers do not fit first/last stage layer counts {first}/{last}")
+            raise PlanError(f"plan $.parallelism.decoder_first/last_pipeline_num_layers: with pp = {pp} the first and last stages hold every layer, so their "
+                            f"counts {first} + {last} must add up to num_hidden_layers = {num_layers}")
         if middle and rest % middle:
-            raise PlanError(f"plan: num_hidden_layers = {num_layers} minus first/last stage layers "
+            raise PlanError(f"plan $.parallelism.decoder_first/last_pipeline_num_layers: num_hidden_layers = {num_layers} minus first/last stage layers "
                             f"({first}/{last}) is not divisible by the {middle} other pipeline stages")
         for s in range(pp):
             if not ((s == 0 and first) or (s == pp - 1 and last)):

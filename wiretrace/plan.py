@@ -350,6 +350,10 @@ def _check_transport(tr: Transport) -> None:
             and parse_duration_ns(tr.ack["window"], "plan $.transport.ack.window") <= 0:
         raise PlanError("plan $.transport.ack.window: must be above 0 (a window of 0 would acknowledge "
                         "each message, as ack \"message\" does)")
+    if tr.ecn_marking is not None and not tr.ecn_marking.get("fraction", 1) \
+            and "queue_bytes" not in tr.ecn_marking:
+        raise PlanError("plan $.transport.ecn_marking.fraction: 0 marks nothing; give a fraction above 0 "
+                        "or queue_bytes, or remove ecn_marking")
     if tr.ecn_marking is not None and not {"fraction", "queue_bytes"} & set(tr.ecn_marking):
         raise PlanError("plan $.transport.ecn_marking: give fraction (a seeded share of data packets "
                         "marked CE) or queue_bytes (mark when the NIC queue holds more), or both; "
@@ -402,7 +406,7 @@ def check_consistency(plan: Plan, require_model: bool = True) -> None:
         raise PlanError("plan: pp_schedule interleaved needs virtual_stages >= 2")
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
         # Megatron-LM runs the interleaved 1F1B schedule whenever a virtual pipeline size is set
-        raise PlanError(f"plan: virtual_stages = {p.virtual_stages} needs pp_schedule interleaved "
+        raise PlanError(f"plan $.parallelism.virtual_stages: {p.virtual_stages} needs pp_schedule interleaved "
                         f"({p.pp_schedule} runs one model chunk per pipeline rank)")
     if (m.position_embedding == "learned" and m.max_position_embeddings
             and t.seq_length > m.max_position_embeddings):
@@ -443,8 +447,11 @@ def load(path: str | Path, require_model: bool = True) -> Plan:
             seen[k] = v
         return seen
 
+    def no_constant(name: str):
+        raise PlanError(f"plan {path}: {name} is not a JSON number (give a number)")
+
     try:
-        doc = json.loads(text, object_pairs_hook=unique_keys)
+        doc = json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)
     except json.JSONDecodeError as e:
         raise PlanError(f"plan {path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     return from_dict(doc, base_dir=path.parent, source=str(path), require_model=require_model)
