@@ -427,6 +427,16 @@ def capture_file(p: Path) -> bool:
     return bool(_CAPTURE_FILE.fullmatch(p.name)) and p.is_file() and not p.is_symlink()
 
 
+def rotated_names(output: Path) -> list[Path]:
+    """Existing files at ``output``'s rotation names (``iter.pcap1``, ``iter.pcap2``, ...), in
+    rotation order."""
+    if not output.parent.is_dir():
+        return []
+    found = [q for q in output.parent.glob(glob.escape(output.name) + "[0-9]*")
+             if q.name[len(output.name):].isdigit()]
+    return sorted(found, key=lambda q: int(q.name[len(output.name):]))
+
+
 def special_file(p: Path) -> str | None:
     """What ``p`` is when it exists but is neither a regular file nor a directory (following
     symbolic links): ``"character device"``, ``"block device"``, ``"named pipe"`` or ``"socket"``;
@@ -663,11 +673,12 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if a == b or a in b.parents or b in a.parents:
             raise WiretraceError(f"--parquet {parquet_dir} and -o {output}: the tables directory and the capture "
                                  f"must not be the same path or inside each other")
-    if split is None and max_file_size is not None and not force:
-        taken = sorted(q.name for q in output.parent.glob(glob.escape(output.name) + "[0-9]*")
-                       if q.name[len(output.name):].isdigit()) if output.parent.is_dir() else []
-        if taken:
-            raise WiretraceError(f"{output.parent / taken[0]} exists (a rotated file of {output.name}); pass --force "
+    if split is None and max_file_size is not None:
+        taken = rotated_names(output)
+        for q in taken:
+            refuse_special(q)               # never replaced, --force or not: say so first
+        if taken and not force:
+            raise WiretraceError(f"{taken[0]} exists (a rotated file of {output.name}); pass --force "
                                  f"to overwrite it")
     staging = _Staging(force)
     try:
@@ -818,6 +829,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
                            if f != cap_tmp and f.name.startswith(cap_tmp.name)])
             # with --force, rotated files of an earlier run past the last one written go too, so
             # the set on disk is this run's
+            # (only those that continue the numbering: a file past a gap may not be an earlier run's)
             k = max(1, len(stats.get("files", [])))
             while force and output.with_name(f"{output.name}{k}").is_file():
                 staging.remove_on_commit(output.with_name(f"{output.name}{k}"))
