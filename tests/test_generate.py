@@ -218,13 +218,14 @@ def test_a_named_pipe_or_device_is_never_replaced(tmp_path: Path, where):
         os.rename(fifo, tmp_path / "x.pcap1")
         fifo = tmp_path / "x.pcap1"
         args = [*base, "-o", tmp_path / "x.pcap", "--no-parquet", "--max-file-size", "168"]
-    proc = run_cli(*args)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"error: {fifo} is a named pipe, not a regular file; wiretrace writes its outputs as files (written "
-        f"whole, then renamed into place), and does not replace a named pipe"]
-    assert stat.S_ISFIFO(fifo.stat().st_mode)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [fifo.name]
+    for run in (args, [a for a in args if a != "--force"]):          # with --force and without
+        proc = run_cli(*run)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {fifo} is a named pipe, not a regular file; wiretrace writes its outputs as files (written "
+            f"whole, then renamed into place), and does not replace a named pipe"]
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [fifo.name]
 
 
 @pytest.mark.parametrize("case", ["split", "parquet", "dir_as_capture"])
