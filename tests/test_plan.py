@@ -93,6 +93,8 @@ def test_schema_errors_name_the_json_path(mutate, fragment):
     ({"collectives": {"step_bytes": 64}}, "plan $.collectives.step_bytes: 64 B is below the minimum 256 B"),
     ({"transport": {"kind": "ib", "dscp": 46}}, "plan $.transport.dscp: native InfiniBand frames have no IP header"),
     ({"transport": {"ecn_marking": {"fraction": 0}}}, "plan $.transport.ecn_marking.fraction: 0 marks nothing"),
+    ({"parallelism": {"tp": 8, "pp": 1, "dp": 4, "pp_schedule": "interleaved", "virtual_stages": 2}},
+     "plan $.parallelism.pp_schedule: interleaved needs pipeline parallelism (pp > 1)"),
     ({"parallelism": {"tp": 8, "pp": 1, "dp": 4, "decoder_first_pipeline_num_layers": 5}},
      "plan $.parallelism.decoder_first/last_pipeline_num_layers: first/last stage layer counts need pipeline "
      "parallelism (pp > 1)"),

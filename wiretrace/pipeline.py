@@ -277,9 +277,10 @@ def rough_messages(coll: pa.Table, step_bytes: int) -> np.ndarray:
     return n * 2 * np.maximum(1, n - 1) * np.maximum(1, b // (step_bytes * np.maximum(1, n)))
 
 
-LOWERING_BYTES_PER_MESSAGE = 600
-"""Peak bytes of memory per message while a shard is lowered and timed (measured 566-581 B on the
-sample plans at several step sizes)."""
+BYTES_PER_MESSAGE = 800
+"""Peak bytes of memory per message of a run: lowering and timing a shard (measured 566-581 B
+on the sample plans at several step sizes), then the messages kept for packetize and its
+per-message state (740-750 B over whole runs of 8 to 16 M messages)."""
 
 ROUGH_FACTOR = 2
 """Messages the lowering makes per :func:`rough_messages` (measured 1.3 on llama3-8b-4x8's
@@ -300,9 +301,10 @@ def memory_available() -> int:
 
 
 def check_shard_fits(rough: int, what: str, step_bytes: int) -> None:
-    """Raise WiretraceError when lowering a shard of ``rough`` (:func:`rough_messages`) messages
-    would take more than half the memory available: a shard is lowered and timed at once."""
-    need = rough * ROUGH_FACTOR * LOWERING_BYTES_PER_MESSAGE
+    """Raise WiretraceError when a shard of ``rough`` (:func:`rough_messages`) messages would take
+    more than half the memory available (:data:`BYTES_PER_MESSAGE`): a shard is lowered and timed
+    at once, and the network messages are kept for packetize."""
+    need = rough * ROUGH_FACTOR * BYTES_PER_MESSAGE
     avail = memory_available()
     if need > avail // 2:
         raise WiretraceError(
@@ -723,7 +725,8 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         net_chunks: list[dict] = []
         done = 0
         window = selection.window
-        span = [np.iinfo(np.int64).max, -1]       # first start, last end of network messages (ns)
+        span = [np.iinfo(np.int64).max, -1]       # network traffic: first start, last end (ns), from
+                                                  # the messages and the packets made (ACKs after them)
         kept_ops: set[int] = set()
         for msgs in lower_and_time(coll, topo, plan, selection, rings=measured.rings or None):
             if window is not None:
@@ -786,8 +789,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if est["capture_bytes"] > free:
             raise WiretraceError(
                 f"this run would write about {human_bytes(est['capture_bytes'])} of capture "
-                f"({est['packets']:,} packets) but {cap_tmp.parent} has {human_bytes(free)} free; cut frames "
-                f"with --snaplen (128 keeps every header), or narrow it with --ranks, --parallelism or --window")
+                f"({est['packets']:,} packets) but {cap_tmp.parent} has {human_bytes(free)} free; "
+                + ("cut frames with --snaplen (128 keeps every header), or narrow" if not 0 < snaplen <= 128
+                   else "narrow") + " it with --ranks, --parallelism or --window")
 
         pkt_writer = TableWriter(pq_tmp / "packets.parquet", "packets") if pq_tmp else None
 
@@ -800,6 +804,9 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
             for chunk in transport.packetize(net, topo, plan):
                 if window is not None:
                     ts = chunk["ts_ns"]
+                    if len(ts):                     # chunks are in time order
+                        span[0] = min(span[0], int(ts[0]))
+                        span[1] = max(span[1], int(ts[-1]))
                     keep = (ts >= window[0]) & (ts < window[1])
                     if not keep.all():
                         chunk = {k: np.asarray(v)[keep] for k, v in chunk.items()}
@@ -837,7 +844,7 @@ def run_generate(plan: Plan, output: Path, *, parquet_dir: Path | None = None,
         if pkt_writer:
             pkt_writer.close()
         if window is not None and summary.packets == 0:
-            where = (f"this run's network messages span {span[0]:,} to {span[1]:,} ns" if span[1] >= 0
+            where = (f"this run's network traffic spans {span[0]:,} to {span[1]:,} ns" if span[1] >= 0
                      else "this run has no network traffic")
             summary.notes.append(f"--window {window[0]:,}:{window[1]:,} ns holds no packet; {where}")
         if window is not None:

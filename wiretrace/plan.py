@@ -402,6 +402,9 @@ def check_consistency(plan: Plan, require_model: bool = True) -> None:
         raise PlanError(f"plan: seq_length = {t.seq_length} is not divisible by 2*cp = {2 * p.cp}")
     if p.sequence_parallel and t.seq_length % (p.tp * p.cp):
         raise PlanError(f"plan: seq_length = {t.seq_length} is not divisible by tp*cp = {p.tp * p.cp} (sequence parallel)")
+    if p.pp_schedule == "interleaved" and p.pp < 2:
+        raise PlanError(f"plan $.parallelism.pp_schedule: interleaved needs pipeline parallelism (pp > 1); "
+                        f"with pp = {p.pp} there is one stage")
     if p.pp_schedule == "interleaved" and p.virtual_stages < 2:
         raise PlanError("plan: pp_schedule interleaved needs virtual_stages >= 2")
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved":
