@@ -312,7 +312,7 @@ def test_reads_of_two_qps_at_one_psn_are_told_apart_by_udp_port(tmp_path):
     short = rocev2(0x10, 0, 0x12, data(496, 4), aeth(1), src=B, dst=A, sport=49300)
     rep = validate_capture(write_pcap(tmp_path / "bad.pcap", [req1, req2, *resp1, short]))
     (v,) = only(rep, "reth_length")
-    assert v.frame == 6 and v.message == "RETH DMA length 500 but the RDMA READ carries 496 bytes"
+    assert v.frame == 6 and v.message == "RETH DMA length 500 (frame 2) but the RDMA READ carries 496 bytes"
 
 
 def test_one_wrong_msn_is_one_violation(tmp_path):
@@ -381,8 +381,8 @@ def test_reth_length_of_multi_packet_write_and_read(tmp_path):
     rep = validate_capture(write_pcap(tmp_path / "reth2.pcap", frames))
     v = only(rep, "reth_length", 2)
     assert [x.frame for x in v] == [3, 10]
-    assert v[0].message == "RETH DMA length 2600 but the RDMA WRITE carries 2500 bytes"
-    assert v[1].message == "RETH DMA length 2049 but the RDMA READ carries 2100 bytes"
+    assert v[0].message == "RETH DMA length 2600 (frame 1) but the RDMA WRITE carries 2500 bytes"
+    assert v[1].message == "RETH DMA length 2049 (frame 7) but the RDMA READ carries 2100 bytes"
 
 
 def test_ipv4_checksum(tmp_path):

@@ -432,6 +432,7 @@ class _Stream:
     msg_sum: int = 0             # payload bytes of the open message so far
     msg_dma: int = -1            # RETH DMA length of the open message (-1 none)
     msg_psn: int = -1            # PSN of the open message's first packet
+    msg_frame: int = -1          # frame number of the open message's first packet (its RETH)
     last_psn: int = -1           # last PSN of a packet that is not an ACK
     last_msn: int = -1           # responses: last MSN
     last_ack_psn: int = -1
@@ -635,12 +636,15 @@ class _StreamChecker:
         carried_sum = np.zeros(len(seg_first), dtype=np.int64)
         carried_dma = np.full(len(seg_first), -1, dtype=np.int64)
         carried_psn = np.full(len(seg_first), -1, dtype=np.int64)
+        carried_frame = np.full(len(seg_first), -1, dtype=np.int64)
         for k in np.nonzero(~starts[seg_first] & ~bad_cont[seg_first])[0]:  # a stream's first rows
             st = self.streams[gid[seg_first[k]]]
             carried_sum[k], carried_dma[k], carried_psn[k] = st.msg_sum, st.msg_dma, st.msg_psn
+            carried_frame[k] = st.msg_frame
         upto = upto + carried_sum[seg]
         seg_dma = np.where(starts[seg_first], dma[seg_first], carried_dma)[seg]
         seg_psn = np.where(starts[seg_first], psn[seg_first], carried_psn)[seg]
+        seg_frame = np.where(starts[seg_first], frame[seg_first], carried_frame)[seg]
         ends = np.isin(pos, (POS_LAST, POS_ONLY)) & ~ack
 
         # endpoints (address + LID) of each packet, to pair READ responses with their request
@@ -652,7 +656,7 @@ class _StreamChecker:
         # WRITE messages: payload bytes against the RETH of their FIRST/ONLY packet
         w = np.nonzero(ends & (fam == FAM_WRITE) & (seg_dma >= 0))[0]
         rep.checked["reth_length"] += len(w)
-        self._compare_dma(w, upto, seg_dma, pad, frame, qp, "RDMA WRITE")
+        self._compare_dma(w, upto, seg_dma, pad, frame, qp, "RDMA WRITE", seg_frame)
 
         # READ responses of one request: consecutive PSNs, bytes against the request's RETH
         # (requests are registered first: in a batch they precede their responses)
@@ -678,7 +682,7 @@ class _StreamChecker:
                     continue
                 rep.checked["reth_length"] += 1
                 self._compare_dma(np.array([i]), upto, np.full(n, hit[1]), pad, frame, qp,
-                                  "RDMA READ")
+                                  "RDMA READ", np.full(n, hit[2]))
         if self.n_reads > 1_000_000:  # unanswered READs of a huge capture: keep the newest
             for k in list(self.reads)[:len(self.reads) // 2]:
                 self.n_reads -= len(self.reads.pop(k))
@@ -749,8 +753,9 @@ class _StreamChecker:
                 if pos[i] in (POS_FIRST, POS_MIDDLE):
                     st.msg_sum, st.msg_dma, st.msg_psn = (int(upto[i]), int(seg_dma[i]),
                                                           int(seg_psn[i]))
+                    st.msg_frame = int(seg_frame[i])
                 else:
-                    st.msg_sum, st.msg_dma, st.msg_psn = 0, -1, -1
+                    st.msg_sum, st.msg_dma, st.msg_psn, st.msg_frame = 0, -1, -1, -1
 
     def _pop_read(self, ends3: tuple, sport: int, got: int) -> tuple | None:
         """The READ request ``(sport, dma, frame)`` a response ending at ``ends3`` (requester,
@@ -843,7 +848,9 @@ class _StreamChecker:
                                   f" ({k} request message(s) completed since the previous ACK)"])
                 r.msn_alt = offset
 
-    def _compare_dma(self, idx, upto, seg_dma, pad, frame, qp, what: str) -> None:
+    def _compare_dma(self, idx, upto, seg_dma, pad, frame, qp, what: str, reth_frame) -> None:
+        """Rows ``idx`` end a message: its bytes (``upto``) against the RETH DMA length
+        (``seg_dma``) carried by frame ``reth_frame`` (named when it is another frame)."""
         if not len(idx):
             return
         got, want = upto[idx], seg_dma[idx]
@@ -862,8 +869,10 @@ class _StreamChecker:
         len_rows = b[~padded_same]
         if len(len_rows):
             self.rep.add(frame[len_rows], qp[len_rows], "reth_length",
-                         [f"RETH DMA length {int(w)} but the {what} carries {int(g)} bytes"
-                          for w, g in zip(want[~padded_same], got[~padded_same])])
+                         [f"RETH DMA length {int(w)}"
+                          + (f" (frame {int(reth_frame[i])})" if 0 <= reth_frame[i] != frame[i] else "")
+                          + f" but the {what} carries {int(g)} bytes"
+                          for i, w, g in zip(len_rows, want[~padded_same], got[~padded_same])])
 
 
 # ----------------------------------------------------------------------------------------------
