@@ -261,13 +261,32 @@ def test_psn_gap(tmp_path):
     rep = validate_capture(write_pcap(tmp_path / "psn.pcap", frames))
     (v,) = only(rep, "psn")
     assert (v.frame, v.qp) == (15, QP_UC)
-    assert v.message == "PSN gap: expected 101, got 104 (3 PSN(s) missing)"
+    # the stream's only earlier packet is its first in the capture: it may be the wrong one
+    hint = "; or frame 14, the first packet of this QP in the capture, carries a wrong PSN"
+    assert v.message == "PSN gap: expected 101, got 104 (3 PSN(s) missing)" + hint
     res = run_cli(tmp_path / "psn.pcap", "--json")
     assert res.exit_code == 1
     doc = json.loads(res.output)
     assert doc["counts"]["psn"] == 1
     assert doc["violations"] == [{"frame": 15, "qp": QP_UC, "check": "psn",
-                                  "message": "PSN gap: expected 101, got 104 (3 PSN(s) missing)"}]
+                                  "message": "PSN gap: expected 101, got 104 (3 PSN(s) missing)" + hint}]
+
+
+def test_a_wrong_first_psn_is_named_as_a_possible_cause(tmp_path):
+    """The first packet of a QP carries a wrong PSN (0xFFFFFE -> 0x20000): the next packet is
+    reported, once, and the message names the first packet as the possible culprit; a gap later
+    in the stream does not."""
+    frames = good_frames()
+    frames[0] = edit(frames[0], BTH_AT + 8, struct.pack(">I", 0x20000))
+    rep = validate_capture(write_pcap(tmp_path / "first.pcap", frames))
+    (v,) = only(rep, "psn")
+    assert v.frame == 2 and v.message.endswith(
+        "; or frame 1, the first packet of this QP in the capture, carries a wrong PSN")
+    frames = good_frames()
+    frames[2] = edit(frames[2], BTH_AT + 8, struct.pack(">I", 5))          # the third packet
+    rep = validate_capture(write_pcap(tmp_path / "third.pcap", frames), batch_frames=2)
+    assert [v.message for v in rep.violations if v.check == "psn"][0] == \
+        "PSN gap: expected 0, got 5 (5 PSN(s) missing)"
 
 
 def test_psn_jump_on_rc_also_breaks_msn_accounting(tmp_path):

@@ -434,6 +434,8 @@ class _Stream:
     msg_psn: int = -1            # PSN of the open message's first packet
     msg_frame: int = -1          # frame number of the open message's first packet (its RETH)
     last_psn: int = -1           # last PSN of a packet that is not an ACK
+    last_frame: int = -1         # frame number of the stream's last packet
+    n_pkts: int = 0              # packets of the stream seen so far
     last_msn: int = -1           # responses: last MSN
     last_ack_psn: int = -1
     # exact MSN accounting (see _StreamChecker._count_messages)
@@ -573,6 +575,12 @@ class _StreamChecker:
         req = ~resp
 
         # -- PSN continuity of requests --------------------------------------------------------
+        # packets of the stream before each row (the one after the stream's first packet may
+        # be blamed for a wrong PSN of that first packet: the message says so)
+        idx = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        grp = np.cumsum(first) - 1
+        before = np.array([self.streams[g].n_pkts for g in gid[first]], dtype=np.int64)[grp] + idx
+        prev_frame = prev(frame.astype(np.int64), "last_frame")
         known = req & (exp_lo >= 0)
         rep.checked["psn"] += int(req.sum())
         span = (exp_hi - exp_lo) % PSN_MOD
@@ -584,12 +592,15 @@ class _StreamChecker:
                     e = int(exp_lo[i])
                     d = (int(psn[i]) - e) % PSN_MOD
                     if d >= PSN_HALF:
-                        yield (f"PSN {int(psn[i])} goes back {PSN_MOD - d} from expected {e} "
-                               "(retransmission or reordering)")
+                        text = (f"PSN {int(psn[i])} goes back {PSN_MOD - d} from expected {e} "
+                                "(retransmission or reordering)")
                     else:
-                        yield (f"PSN gap: expected {e}"
-                               + (f"..{int(exp_hi[i])}" if span[i] else "")
-                               + f", got {int(psn[i])} ({d} PSN(s) missing)")
+                        text = (f"PSN gap: expected {e}" + (f"..{int(exp_hi[i])}" if span[i] else "")
+                                + f", got {int(psn[i])} ({d} PSN(s) missing)")
+                    if before[i] == 1:
+                        text += (f"; or frame {int(prev_frame[i])}, the first packet of this QP in the "
+                                 "capture, carries a wrong PSN")
+                    yield text
             rep.add(frame[bad], qp[bad], "psn", psn_messages())
 
         # -- opcode sequences (requests and READ responses) -------------------------------------
@@ -739,6 +750,10 @@ class _StreamChecker:
         self.flagged = set()
 
         # -- carry the state of each stream's last packet ---------------------------------------
+        for i in np.nonzero(last)[0]:
+            st = self.streams[gid[i]]
+            st.last_frame = int(frame[i])
+            st.n_pkts = int(before[i]) + 1
         for i in np.nonzero(last & req)[0]:
             st = self.streams[gid[i]]
             st.next_psn, st.next_psn_hi = int(nxt[i]), int(nxt_hi[i])
