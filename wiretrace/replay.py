@@ -511,11 +511,23 @@ def _udp_parts(batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, length, cols
 
 
+def _check_mtu(batch, iface: str, mtu: int) -> None:
+    """Raise WiretraceError when a frame of ``batch`` (at its original length) does not fit the
+    interface's MTU plus the Ethernet header."""
+    origlen = batch.origlen.astype(np.int64)
+    big = origlen > mtu + ETH_HEADER_LEN
+    if big.any():
+        i = int(np.argmax(big))
+        raise WiretraceError(
+            f"frame {batch.first + i + 1} is {int(origlen[i])} bytes, more than {iface}'s "
+            f"MTU {mtu} + {ETH_HEADER_LEN}-byte header: raise it (ip link set {iface} mtu "
+            f"{int(origlen.max()) - ETH_HEADER_LEN})")
+
+
 def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progress, fmt="pcap") -> ReplayReport:
     rep = ReplayReport(engine="native", target=iface or udp)
     if iface is not None:
         kind, mtu = check_interface(iface)
-        max_frame = mtu + ETH_HEADER_LEN
         sock = _open_raw(iface)
         send = sock.send
     else:
@@ -545,13 +557,7 @@ def _replay_native(capture, iface, udp, speed, pps, mbps, topspeed, loop, progre
                 skipped = 0
                 if iface is not None:
                     _check_linktypes(batch.linktype, iface, kind, fmt)
-                    big = origlen > max_frame
-                    if big.any():
-                        i = int(np.argmax(big))
-                        raise WiretraceError(
-                            f"frame {batch.first + i + 1} is {int(origlen[i])} bytes, more than {iface}'s "
-                            f"MTU {mtu} + {ETH_HEADER_LEN}-byte header: raise it (ip link set {iface} mtu "
-                            f"{int(origlen.max()) - ETH_HEADER_LEN})")
+                    _check_mtu(batch, iface, mtu)
                     part = np.zeros(n, dtype=np.int64)      # the whole frame
                     length = origlen
                 else:
@@ -652,6 +658,7 @@ def _replay_tcpreplay(capture, iface, speed, pps, mbps, topspeed, loop) -> Repla
         raise WiretraceError(f"{capture}: tcpreplay cannot read ERF files; use the native engine")
     for batch in iter_frames(capture):
         _check_linktypes(batch.linktype, iface, kind)
+        _check_mtu(batch, iface, mtu)           # tcpreplay would skip such frames and exit 0
         short = batch.caplen < batch.origlen
         padded += int(short.sum())
         truncated |= bool(short.any())
