@@ -743,8 +743,17 @@ def test_burstiness_refuses_zero_timescale_with_wiretrace_error():
 
 def test_by_node_needs_the_plan_for_captures(generated, tmp_path):
     cap, pqdir = generated
+    # beside the tables generate wrote (X.parquet/plan.json): that plan is used, and said so
+    beside = cap.with_name(cap.stem + ".parquet") / "plan.json"
+    assert beside.is_file()
     r = cli("summarize", str(cap), "--by", "node")
-    assert r.returncode == 2 and r.stderr.strip() == (f"error: --by node needs the plan {cap} was generated "
+    assert r.returncode == 0 and r.stderr.splitlines() == [
+        f"note: using the plan {beside} (give --plan to choose another)"]
+    # alone, it needs --plan
+    alone = tmp_path / "alone.pcap"
+    alone.write_bytes(cap.read_bytes())
+    r = cli("summarize", str(alone), "--by", "node")
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: --by node needs the plan {alone} was generated "
                                                       "from (--plan PLAN) to map NIC addresses to nodes")
     assert r.stdout == ""
     # a capture whose addresses are not the plan's NICs

@@ -613,6 +613,19 @@ def _analysis_options(fn):
     return fn
 
 
+def _plan_beside(input_path: Path, plan_path):
+    """``--plan`` as given; else, for a capture ``X.pcap`` that ``generate`` wrote, the
+    ``X.parquet/plan.json`` beside it (said on stderr)."""
+    if plan_path is not None or Path(input_path).is_dir():
+        return plan_path
+    p = Path(input_path)
+    beside = p.with_name(p.stem + ".parquet") / "plan.json"
+    if beside.is_file():
+        click.echo(f"note: using the plan {beside} (give --plan to choose another)", err=True)
+        return beside
+    return None
+
+
 def _analysis_kwargs(plan_path, line_rate, idle_gap, timescales) -> dict:
     from .analysis.burstiness import parse_timescales
     from .plan import load, parse_duration_ns, parse_rate
@@ -662,6 +675,7 @@ def summarize(input_path, as_json, by, top_flows, plan_path, line_rate, idle_gap
 
     if top_flows < 0:
         raise WiretraceError(f"--flows {top_flows}: expected 0 or more flows to list")
+    plan_path = _plan_beside(input_path, plan_path)
     doc = run(input_path, by=by, **_analysis_kwargs(plan_path, line_rate, idle_gap, timescales))
     _warn_cut_off(input_path, doc["input"])
     if as_json:
@@ -693,7 +707,7 @@ def plot(input_path, out_dir, html_path, force, plan_path, line_rate, idle_gap, 
     from .analysis.figures import write_all
     from .analysis.report import html_page
 
-    kwargs = _analysis_kwargs(plan_path, line_rate, idle_gap, timescales)
+    kwargs = _analysis_kwargs(_plan_beside(input_path, plan_path), line_rate, idle_gap, timescales)
     if out_dir.exists() and not out_dir.is_dir():
         raise WiretraceError(f"-o {out_dir}: is a file; expected a directory for the figures")
     if html_path is not None:
