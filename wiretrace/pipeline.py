@@ -290,13 +290,10 @@ network calls, 2.0 on the demo's: clear-to-send credits and channels)."""
 def memory_available() -> int:
     """Bytes of memory this machine can give without swapping (``MemAvailable`` of
     /proc/meminfo; the physical memory where that is not readable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
