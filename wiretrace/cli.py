@@ -508,23 +508,10 @@ def validate(capture, as_json, max_violations, show, quiet):
 
     from rich.console import Console
 
-    from .transport.validate import print_report, validate_capture
+    from .transport.validate import captures_in, print_report, validate_capture
 
     is_dir = str(capture) != "-" and capture.is_dir()
-    if is_dir:
-        import re
-
-        def rotation_order(p: Path):        # iter.pcap, iter.pcap1, iter.pcap2, ..., iter.pcap10
-            m = re.fullmatch(r"(.+?)(\d*)", p.name)
-            return m.group(1), int(m.group(2) or -1)
-
-        files = sorted((p for p in capture.iterdir()
-                        if p.is_file() and re.fullmatch(r".+\.(pcap|pcapng|erf|cap)\d*", p.name)),
-                       key=rotation_order)
-        if not files:
-            raise WiretraceError(f"{capture}: a directory without captures (.pcap, .pcapng, .erf, .cap)")
-    else:
-        files = [capture]
+    files = captures_in(capture) if is_dir else [capture]
     reports: list = []                      # a Report, or (path, error) for a file not read
     bar = _Progress(quiet)
     stdin_copy = None

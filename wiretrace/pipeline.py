@@ -328,10 +328,11 @@ def shards(coll: pa.Table, topo: topology.Topology, step_bytes: int = 512 * 1024
     if local.num_rows:
         groups = local.column("group").to_numpy()
         est = rough_messages(local, step_bytes)
-        per_group = np.bincount(np.unique(groups, return_inverse=True)[1], weights=est)
+        ids, of_row = np.unique(groups, return_inverse=True)
+        per_group = np.bincount(of_row.reshape(-1), weights=est)
         worst = int(np.argmax(per_group))
-        check_shard_fits(int(per_group[worst]), f"the NVLink calls of communicator "
-                         f"{int(np.unique(groups)[worst])}", step_bytes)
+        check_shard_fits(int(per_group[worst]), f"the NVLink calls of communicator {int(ids[worst])}",
+                         step_bytes)
     if net.any():
         sub = coll.filter(pa.array(net))
         check_shard_fits(int(rough_messages(sub, step_bytes).sum()), "the network calls", step_bytes)

@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import WiretraceError
 from ..io.capture import DEFAULT_MAX_FRAMES, Capture, FrameBatch
 from . import headers as H
 from . import icrc as C
@@ -893,6 +895,27 @@ class _StreamChecker:
 # ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
+
+def captures_in(directory: Path) -> list[Path]:
+    """The capture files of a directory (``.pcap``, ``.pcapng``, ``.erf``, ``.cap``, and their
+    rotations ``.pcap1`` ...), in rotation order: ``iter.pcap``, ``iter.pcap1``, ``iter.pcap2``,
+    ..., ``iter.pcap10``.
+
+    Raises
+    ------
+    WiretraceError : the directory holds no capture.
+    """
+    def rotation_order(p: Path):
+        m = re.fullmatch(r"(.+?)(\d*)", p.name)
+        return m.group(1), int(m.group(2) or -1)
+
+    files = sorted((p for p in Path(directory).iterdir()
+                    if p.is_file() and re.fullmatch(r".+\.(pcap|pcapng|erf|cap)\d*", p.name)),
+                   key=rotation_order)
+    if not files:
+        raise WiretraceError(f"{directory}: a directory without captures (.pcap, .pcapng, .erf, .cap)")
+    return files
+
 
 def validate_capture(path: str | Path, max_violations: int = 1000,
                      batch_frames: int = DEFAULT_MAX_FRAMES, progress=None) -> Report:
